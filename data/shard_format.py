@@ -20,6 +20,7 @@ SHARD_KEYS = {
     "next_sentence_labels": ("i1", 1, None),
 }
 GZIP_LEVEL = 4  # level 4 is nearly as small as 9 and several times faster to write
+CHUNK_BYTES = 1 << 18  # HDF5 chunk of ~256 KiB: small enough for cheap random reads of a few rows
 
 
 class ShardError(ValueError):
@@ -49,26 +50,64 @@ def _check_arrays(where, arrays):
     return num_samples, dims["seq_len"], dims["max_pred"]
 
 
-def write_shard(path, arrays):
-    """Write ``arrays`` (SHARD_KEYS -> numpy array) as a gzip HDF5 file, atomically.
+class ShardWriter:
+    """Append batches of samples to a new shard; the file appears under ``path`` only when complete.
 
-    The data go to a temporary file in the destination directory, which is renamed over
-    ``path`` only once complete: a killed writer never leaves a half-written shard.
+    Rows go to a temporary file in the destination directory (datasets resizable along the
+    sample axis), which is renamed over ``path`` when the ``with`` block exits normally and
+    deleted when it exits with an exception: a killed or failing writer leaves no partial shard.
     """
-    path = Path(path)
-    _check_arrays(str(path), arrays)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; shards are meant to be shared
-    try:
-        with h5py.File(tmp_name, "w") as f:
-            for key, (dtype, _, _) in SHARD_KEYS.items():
-                f.create_dataset(key, data=np.asarray(arrays[key], dtype=dtype),
-                                 compression="gzip", compression_opts=GZIP_LEVEL)
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+
+    def __init__(self, path, seq_len, max_pred):
+        self.path = Path(path)
+        self.widths = {"seq_len": seq_len, "max_pred": max_pred}
+        self.num_samples = 0
+        self._tmp_name = None
+        self._file = None
+
+    def temp_prefix(self):
+        return f".{self.path.name}."
+
+    def __enter__(self):
+        fd, self._tmp_name = tempfile.mkstemp(prefix=self.temp_prefix(), suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        os.chmod(self._tmp_name, 0o644)  # mkstemp creates 0600; shards are meant to be shared
+        self._file = h5py.File(self._tmp_name, "w")
+        for key, (dtype, rank, dim_name) in SHARD_KEYS.items():
+            tail = (self.widths[dim_name],) if rank == 2 else ()
+            rows = max(1, CHUNK_BYTES // (np.dtype(dtype).itemsize * (tail[0] if tail else 1)))
+            self._file.create_dataset(key, shape=(0,) + tail, maxshape=(None,) + tail, dtype=dtype,
+                                      chunks=(rows,) + tail, compression="gzip", compression_opts=GZIP_LEVEL)
+        return self
+
+    def append(self, arrays):
+        """Append rows; ``arrays`` maps every SHARD_KEYS key to an array with the same row count."""
+        count, seq_len, max_pred = _check_arrays(str(self.path), arrays)
+        if (seq_len, max_pred) != (self.widths["seq_len"], self.widths["max_pred"]):
+            raise ShardError(f"{self.path}: appending ({seq_len}, {max_pred}) rows to a "
+                             f"({self.widths['seq_len']}, {self.widths['max_pred']}) shard")
+        for key, (dtype, _, _) in SHARD_KEYS.items():
+            dataset = self._file[key]
+            dataset.resize(self.num_samples + count, axis=0)
+            dataset[self.num_samples:] = np.asarray(arrays[key], dtype=dtype)
+        self.num_samples += count
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self._file.close()
+            if exc_type is None:
+                os.replace(self._tmp_name, self.path)
+        finally:
+            if os.path.exists(self._tmp_name):
+                os.unlink(self._tmp_name)
+        return False
+
+
+def write_shard(path, arrays):
+    """Write ``arrays`` (SHARD_KEYS -> numpy array) as a gzip HDF5 file, atomically (see ShardWriter)."""
+    num_samples, seq_len, max_pred = _check_arrays(str(path), arrays)
+    with ShardWriter(path, seq_len, max_pred) as writer:
+        writer.append(arrays)
 
 
 def read_shard_header(path):
