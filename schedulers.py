@@ -6,11 +6,14 @@ base LR (the group's ``lr`` when the scheduler was built) times the factor. All 
 t > total_steps and never negative.
 
 Step index rule: the LR applied by optimizer step number k (1-based) is base * f(k). The schedulers
-read ``t = optimizer.param_groups[0].get('step', 0) + 1`` when constructed and on every ``step()``,
+read ``t = optimizer.param_groups[0]['step'] + 1`` when constructed and on every ``step()``,
 so a freshly built scheduler sets f(1), and after k completed optimizer steps the LR is f(k + 1).
 Reading the optimizer's counter (rather than counting ``step()`` calls) keeps the LR right after a
 resume and under DeepSpeed, which calls ``step()`` once per optimizer step. This fixes the
-reference, where the first two steps both ran with f(1) without ZeRO.
+reference, where the first two steps both ran with f(1) without ZeRO. For optimizers without a
+group counter (torch's Adam and AdamW keep theirs per parameter) t counts the scheduler's own
+``step()`` calls instead, which is the same number when ``step()`` follows every optimizer step;
+the reference used a fixed step 1 there (digest section 7).
 
 Differences from the reference (Habana deepspeed-bert ``schedulers.py``):
 - every parameter group is updated, each from its own base LR;
@@ -105,7 +108,9 @@ class WarmUpScheduler:
 
     def step(self):
         """Read the optimizer's step counter and set every group's LR for its next step."""
-        self.last_step = self.optimizer.param_groups[0].get("step", 0) + 1
+        counters = self.optimizer.param_groups[0]
+        # torch's Adam/AdamW keep no group counter: then count our own step() calls instead.
+        self.last_step = counters["step"] + 1 if "step" in counters else self.last_step + 1
         for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
 
