@@ -1,0 +1,415 @@
+"""Turn sentence-per-line text into masked-LM / next-sentence-prediction HDF5 shards.
+
+Input: one sentence (or paragraph) per line, a blank line between documents. Algorithm: Google's
+BERT ``create_pretraining_data.py`` (documents shuffled, ``dupe_factor`` passes, sentence-pair
+chunks of a target length, 50% random-next B with the unused segments put back, truncation of the
+longer side at a random end, ``[CLS] A [SEP] B [SEP]``, 80/10/10 masking capped at
+``max_predictions_per_seq``, instances shuffled). Output: the shard schema of data/shard_format.py.
+
+What differs from the reference, and why:
+- Memory is bounded: documents are read in blocks of about ``--block_chars`` characters and each
+  block is processed on its own. The random-next document, the document shuffle and the instance
+  shuffle are therefore drawn within a block (thousands of Wikipedia articles at the default size)
+  instead of within the whole shard; otherwise the reference keeps every instance of a shard in RAM.
+- Each shard gets its own seed, derived from ``--random_seed`` and the shard's file name.
+- Truncation draws the number of tokens cut from the front of each side binomially, which has the
+  same distribution as the reference's token-by-token coin flips; masking is vectorised over
+  batches of instances with numpy.
+- WordPiece comes from Hugging Face ``tokenizers`` (same tokens as BERT's BasicTokenizer + WordPiece).
+
+A directory (or comma-separated list) of inputs with ``--output_file`` naming a directory gives
+one ``<stem>.hdf5`` per input, made in parallel by ``--n_processes`` workers; an ``--output_file``
+ending in .hdf5/.h5 gets every input in one shard. Existing outputs are skipped (``--overwrite``).
+"""
+import argparse
+import hashlib
+import itertools
+import multiprocessing
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from data.shard_format import ShardWriter  # noqa: E402
+
+SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
+SHARD_SUFFIXES = (".hdf5", ".h5")
+TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the tokenizer's per-token Encoding objects
+MASK_BATCH_ROWS = 4096  # instances assembled and masked per numpy batch
+
+
+class InputError(Exception):
+    """Bad input or settings; the message is shown to the user as is."""
+
+
+def derive_seed(random_seed, shard_name):
+    """A 64-bit seed per shard, so that shards built with the same --random_seed differ."""
+    digest = hashlib.sha256(f"{random_seed}/{shard_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def load_tokenizer(vocab_file, do_lower_case):
+    """Return (tokenizer, vocab_size, {special token: id}) for a BERT vocab.txt."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import WordPiece
+
+    if not Path(vocab_file).is_file():
+        raise InputError(f"vocab file not found: {vocab_file}")
+    try:
+        vocab = WordPiece.read_file(str(vocab_file))
+    except Exception as err:  # tokenizers raises a bare Exception on an unreadable vocab
+        raise InputError(f"cannot read vocab file {vocab_file}: {err}") from err
+    if "[UNK]" not in vocab:
+        raise InputError(f"vocab file {vocab_file} lacks [UNK]")
+    # BERT's BasicTokenizer (clean, CJK split, lower-case + strip accents, punctuation split) + WordPiece.
+    tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case, strip_accents=do_lower_case)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    missing = [token for token, token_id in special.items() if token_id is None]
+    if missing:
+        raise InputError(f"vocab file {vocab_file} lacks {', '.join(missing)}")
+    return tokenizer, tokenizer.get_vocab_size(), special
+
+
+def read_document_blocks(path, block_chars):
+    """Yield lists of documents (lists of stripped non-empty lines) of about block_chars characters.
+
+    Raises InputError for binary, non-UTF-8 or text-free input.
+    """
+    documents, current, size, seen_text = [], [], 0, False
+    try:
+        with open(path, encoding="utf-8", errors="strict") as f:
+            for line_number, line in enumerate(f, 1):
+                if "\0" in line:
+                    raise InputError(f"{path}: binary data (NUL byte) on line {line_number}")
+                line = line.strip()
+                if line:
+                    current.append(line)
+                    size += len(line)
+                    continue
+                if current:
+                    documents.append(current)
+                    current = []
+                if size >= block_chars:
+                    yield documents
+                    documents, size, seen_text = [], 0, True
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start} of a read block)") from err
+    if current:
+        documents.append(current)
+    if documents:
+        yield documents
+    elif not seen_text:
+        raise InputError(f"{path}: no text (empty input)")
+
+
+def tokenize_documents(tokenizer, documents):
+    """WordPiece ids of a block: (flat int32 array, per document the segment boundaries in it).
+
+    Lines that tokenize to nothing are dropped, then documents left without segments.
+    """
+    lines = [line for document in documents for line in document]
+    id_chunks, lengths = [], []
+    for start in range(0, len(lines), TOKENIZE_BATCH_LINES):
+        encodings = tokenizer.encode_batch_fast(lines[start:start + TOKENIZE_BATCH_LINES],
+                                                add_special_tokens=False)
+        lengths.extend(len(encoding.ids) for encoding in encodings)
+        id_chunks.append(np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32))
+    flat = np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.int32)
+    ends = np.cumsum(lengths).tolist()
+    boundaries, line_index = [], 0
+    for document in documents:
+        bounds = [ends[line_index - 1] if line_index else 0]
+        for end in ends[line_index:line_index + len(document)]:
+            if end > bounds[-1]:
+                bounds.append(end)
+        line_index += len(document)
+        if len(bounds) > 1:
+            boundaries.append(bounds)
+    return flat, boundaries
+
+
+def document_instances(doc_index, boundaries, max_num_tokens, short_seq_prob, rng, out):
+    """Append (a_start, a_len, b_start, b_len, is_random_next) for one document to ``out``.
+
+    Google's create_instances_from_document on segment boundaries (flat token offsets) instead
+    of token lists: segments are contiguous in the block's token array, so A and B are ranges.
+    """
+    bounds = boundaries[doc_index]
+    num_segments = len(bounds) - 1
+    target = rng.randint(2, max_num_tokens) if rng.random() < short_seq_prob else max_num_tokens
+    chunk_start, i = 0, 0
+    while i < num_segments:
+        i += 1
+        if i < num_segments and bounds[i] - bounds[chunk_start] < target:
+            continue
+        chunk_segments = i - chunk_start
+        a_end = chunk_start + (rng.randint(1, chunk_segments - 1) if chunk_segments >= 2 else 1)
+        a_start, a_len = bounds[chunk_start], bounds[a_end] - bounds[chunk_start]
+        if chunk_segments == 1 or rng.random() < 0.5:
+            random_index = doc_index
+            for _ in range(10):
+                random_index = rng.randint(0, len(boundaries) - 1)
+                if random_index != doc_index:
+                    break
+            other = boundaries[random_index]
+            first = rng.randint(0, len(other) - 2)
+            last = first + 1
+            while last < len(other) - 1 and other[last] - other[first] < target - a_len:
+                last += 1
+            out.append((a_start, a_len, other[first], other[last] - other[first], int(random_index != doc_index)))
+            i = a_end  # put the unused segments back
+        else:
+            out.append((a_start, a_len, bounds[a_end], bounds[i] - bounds[a_end], 0))
+        chunk_start = i
+
+
+def truncate_pairs(specs, max_num_tokens, np_rng):
+    """Cut A and B to at most max_num_tokens together, in place on the int64 spec array.
+
+    The reference removes one token at a time from the longer side (B on ties), from the front
+    or back with probability 1/2. Which side loses how many tokens is deterministic, so this
+    computes the counts in closed form and draws the front/back split binomially.
+    """
+    a_len, b_len = specs[:, 1], specs[:, 3]
+    excess = np.maximum(a_len + b_len - max_num_tokens, 0)
+    # While A > B only A is cut, until A == B; then the cuts alternate B, A, B, ...
+    # While B >= A only B is cut, until B == A - 1; then they alternate A, B, A, ...
+    a_longer = a_len > b_len
+    first_a = np.where(a_longer, np.minimum(excess, a_len - b_len), 0)
+    first_b = np.where(a_longer, 0, np.minimum(excess, b_len - a_len + 1))
+    rest = excess - first_a - first_b
+    cut_a = first_a + np.where(a_longer, rest // 2, (rest + 1) // 2)
+    cut_b = first_b + np.where(a_longer, (rest + 1) // 2, rest // 2)
+    front_a = np_rng.binomial(cut_a, 0.5)
+    front_b = np_rng.binomial(cut_b, 0.5)
+    specs[:, 0] += front_a
+    specs[:, 1] -= cut_a
+    specs[:, 2] += front_b
+    specs[:, 3] -= cut_b
+
+
+def assemble_batch(flat, specs, seq_len, special):
+    """Token matrix [CLS] A [SEP] B [SEP] + padding, segment ids, input mask, and sequence lengths."""
+    a_start, a_len, b_start, b_len = (specs[:, k:k + 1] for k in range(4))
+    column = np.arange(seq_len)[None, :]
+    b_first = a_len + 2
+    seq_length = b_first + b_len + 1
+    input_ids = np.zeros((len(specs), seq_len), dtype=np.int32)
+    in_a = (column >= 1) & (column <= a_len)
+    in_b = (column >= b_first) & (column < seq_length - 1)
+    input_ids[in_a] = flat.take((a_start + column - 1)[in_a])
+    input_ids[in_b] = flat.take((b_start + column - b_first)[in_b])
+    input_ids[:, 0] = special["[CLS]"]
+    input_ids[(column == a_len + 1) | (column == seq_length - 1)] = special["[SEP]"]
+    segment_ids = ((column >= b_first) & (column < seq_length)).astype(np.int8)
+    input_mask = (column < seq_length).astype(np.int8)
+    return input_ids, segment_ids, input_mask, seq_length[:, 0]
+
+
+def mask_batch(input_ids, segment_ids, seq_length, settings, vocab_size, special, np_rng):
+    """Google's masking, vectorised: returns (masked_lm_positions, masked_lm_ids); edits input_ids.
+
+    Candidates are all real tokens but [CLS] and the two [SEP]s. A row masks
+    min(max_pred, max(1, round(len * masked_lm_prob))) of them, chosen uniformly (smallest random
+    keys); each becomes [MASK] (80%), stays (10%) or a token drawn from the whole vocab (10%).
+    """
+    rows, seq_len = input_ids.shape
+    max_pred = settings.max_predictions_per_seq
+    column = np.arange(seq_len)[None, :]
+    first_sep = np.argmax(segment_ids, axis=1)[:, None] - 1
+    candidate = (column >= 1) & (column < seq_length[:, None] - 1) & (column != first_sep)
+    num_to_predict = np.minimum(max_pred, np.maximum(1, np.round(seq_length * settings.masked_lm_prob)))
+    num_to_predict = np.minimum(num_to_predict, candidate.sum(axis=1)).astype(np.int64)
+    keys = np.where(candidate, np_rng.random((rows, seq_len)), 2.0)
+    smallest = np.argpartition(keys, max_pred - 1, axis=1)[:, :max_pred]
+    chosen = np.take_along_axis(smallest, np.argsort(np.take_along_axis(keys, smallest, 1), axis=1), 1)
+    used = np.arange(max_pred)[None, :] < num_to_predict[:, None]
+    positions = np.sort(np.where(used, chosen, seq_len), axis=1)  # unused slots sort last
+    used = positions < seq_len
+    positions[~used] = 0
+    row_index = np.broadcast_to(np.arange(rows)[:, None], positions.shape)
+    labels = np.where(used, input_ids[row_index, positions], 0).astype(np.int32)
+    choice = np_rng.random((rows, max_pred))
+    keep_or_random = np_rng.random((rows, max_pred))
+    replacement = np.where(choice < 0.8, special["[MASK]"],
+                           np.where(keep_or_random < 0.5, labels,
+                                    np_rng.integers(0, vocab_size, (rows, max_pred))))
+    input_ids[row_index[used], positions[used]] = replacement[used]
+    return positions.astype(np.int32), labels
+
+
+def block_instance_specs(boundaries, settings, rng):
+    """Instance specs of one block: documents shuffled, dupe_factor passes, instances shuffled."""
+    max_num_tokens = settings.max_seq_length - 3
+    rng.shuffle(boundaries)
+    specs = []
+    for _ in range(settings.dupe_factor):
+        for doc_index in range(len(boundaries)):
+            document_instances(doc_index, boundaries, max_num_tokens, settings.short_seq_prob, rng, specs)
+    rng.shuffle(specs)
+    return np.array(specs, dtype=np.int64).reshape(-1, 5)
+
+
+def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
+    """Truncate, assemble, mask and append a block's instances in batches."""
+    truncate_pairs(specs, settings.max_seq_length - 3, np_rng)
+    for start in range(0, len(specs), MASK_BATCH_ROWS):
+        batch = specs[start:start + MASK_BATCH_ROWS]
+        input_ids, segment_ids, input_mask, seq_length = assemble_batch(flat, batch, settings.max_seq_length, special)
+        positions, labels = mask_batch(input_ids, segment_ids, seq_length, settings, vocab_size, special, np_rng)
+        writer.append({"input_ids": input_ids, "input_mask": input_mask, "segment_ids": segment_ids,
+                       "masked_lm_positions": positions, "masked_lm_ids": labels,
+                       "next_sentence_labels": batch[:, 4].astype(np.int8)})
+
+
+_TOKENIZERS = {}
+
+
+def create_shard(input_paths, output_path, settings, show_progress=False):
+    """Build one shard from input text files; returns the number of instances written."""
+    key = (settings.vocab_file, settings.do_lower_case)
+    if key not in _TOKENIZERS:  # once per worker process
+        _TOKENIZERS[key] = load_tokenizer(*key)
+    tokenizer, vocab_size, special = _TOKENIZERS[key]
+    seed = derive_seed(settings.random_seed, Path(output_path).stem)
+    rng, np_rng = random.Random(seed), np.random.default_rng(seed)
+    total_chars = sum(os.path.getsize(path) for path in input_paths)
+    with ShardWriter(output_path, settings.max_seq_length, settings.max_predictions_per_seq) as writer, \
+            tqdm(total=total_chars, unit="B", unit_scale=True, desc=Path(output_path).name,
+                 disable=not show_progress, mininterval=1.0) as progress:
+        for path in input_paths:
+            for documents in read_document_blocks(path, settings.block_chars):
+                flat, boundaries = tokenize_documents(tokenizer, documents)
+                if boundaries:
+                    specs = block_instance_specs(boundaries, settings, rng)
+                    write_block(writer, flat, specs, settings, vocab_size, special, np_rng)
+                progress.update(sum(len(line) + 1 for document in documents for line in document))
+        if writer.num_samples == 0:
+            raise InputError(f"{', '.join(map(str, input_paths))}: no tokens after WordPiece")
+    return writer.num_samples
+
+
+def str_to_bool(text):
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input_file", required=True,
+                        help="text file, directory of *.txt files, or comma-separated list of files")
+    parser.add_argument("--output_file", required=True,
+                        help="shard path (.hdf5/.h5: all inputs in one shard) or directory (one shard per input)")
+    parser.add_argument("--vocab_file", required=True, help="BERT vocab.txt")
+    parser.add_argument("--do_lower_case", type=str_to_bool, nargs="?", const=True, default=True,
+                        help="lower-case and strip accents (default; for an uncased vocab)")
+    parser.add_argument("--no_lower_case", dest="do_lower_case", action="store_false",
+                        help="keep case and accents (for a cased vocab)")
+    parser.add_argument("--max_seq_length", type=int, default=128)
+    parser.add_argument("--max_predictions_per_seq", type=int, default=20)
+    parser.add_argument("--masked_lm_prob", type=float, default=0.15)
+    parser.add_argument("--random_seed", type=int, default=12345)
+    parser.add_argument("--dupe_factor", type=int, default=10)
+    parser.add_argument("--short_seq_prob", type=float, default=0.1)
+    parser.add_argument("--n_processes", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--block_chars", type=int, default=16_000_000,
+                        help="characters of text processed at a time (bounds memory; random-next "
+                             "documents and the shuffles are drawn within such a block)")
+    parser.add_argument("--overwrite", action="store_true", help="rebuild shards that already exist")
+    parser.add_argument("--bert_model", help=argparse.SUPPRESS)  # accepted and unused, as in the reference
+    settings = parser.parse_args(argv)
+    if not 0 < settings.max_predictions_per_seq < settings.max_seq_length - 2:
+        parser.error("need 0 < --max_predictions_per_seq < --max_seq_length - 2")
+    if settings.max_seq_length < 5 or settings.dupe_factor < 1 or settings.n_processes < 1:
+        parser.error("need --max_seq_length >= 5, --dupe_factor >= 1 and --n_processes >= 1")
+    if not (0 < settings.masked_lm_prob <= 1 and 0 <= settings.short_seq_prob <= 1):
+        parser.error("--masked_lm_prob must be in (0, 1] and --short_seq_prob in [0, 1]")
+    return settings
+
+
+def list_inputs(spec):
+    """Input text files of --input_file (a file, a directory of *.txt, or a comma-separated list)."""
+    paths = []
+    for item in spec.split(","):
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(path.glob("*.txt"))
+            if not found:
+                raise InputError(f"{path}: directory has no *.txt files")
+            paths.extend(found)
+        elif path.is_file():
+            paths.append(path)
+        else:
+            raise InputError(f"input not found: {path}")
+    return paths
+
+
+def plan_jobs(settings):
+    """[(input paths, output path)]: one shard for all inputs, or one per input in a directory."""
+    inputs = list_inputs(settings.input_file)
+    output = Path(settings.output_file)
+    if output.suffix in SHARD_SUFFIXES:
+        jobs = [(inputs, output)]
+    else:
+        jobs = [([path], output / f"{path.stem}.hdf5") for path in inputs]
+    for _, path in jobs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise InputError(f"output directory not writable: {path.parent}")
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a killed run
+            stale.unlink()
+    return jobs
+
+
+def _run_job(job_and_settings):
+    (inputs, output), settings, show_progress = job_and_settings
+    return output, create_shard(inputs, output, settings, show_progress)
+
+
+def run(settings):
+    load_tokenizer(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
+    jobs = plan_jobs(settings)
+    todo = [job for job in jobs if settings.overwrite or not job[1].exists()]
+    if len(todo) < len(jobs):
+        print(f"skipping {len(jobs) - len(todo)} existing shard(s)", file=sys.stderr)
+    workers = min(settings.n_processes, len(todo))
+    if workers > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    tasks = [(job, settings, workers <= 1) for job in todo]
+    total = 0
+    with tqdm(total=len(tasks), unit="shard", desc="shards", disable=len(tasks) < 2) as progress:
+        if workers > 1:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                for _, count in pool.imap_unordered(_run_job, tasks):
+                    total += count
+                    progress.update()
+        else:
+            for task in tasks:
+                total += _run_job(task)[1]
+                progress.update()
+    print(f"wrote {len(todo)} shard(s), {total} instances", file=sys.stderr)
+    return total
+
+
+def main(argv=None):
+    settings = parse_arguments(argv)
+    try:
+        run(settings)
+    except (InputError, OSError) as err:
+        print(f"create_pretraining_data.py: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
