@@ -1,0 +1,422 @@
+"""Crash-safe training checkpoints around DeepSpeed's engine.save_checkpoint / load_checkpoint.
+
+Layout of one checkpoint (``<output_dir>/<tag>/``)::
+
+    mp_rank_00_model_states.pt                 DeepSpeed: weights, LR scheduler, counters, client_state
+    *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   DeepSpeed (ZeRO 1/2): optimizer partition of rank r
+    zero_to_fp32.py, zero_to_torch.py          DeepSpeed (ZeRO): consolidation scripts
+    state_<r>.pt                               ours: per-rank state (RNG states), one per global rank
+    complete.json                              ours: manifest, written last
+
+``<output_dir>/latest`` holds the tag of the newest complete checkpoint (same format as DeepSpeed's,
+so ``zero_to_fp32.py`` and ``engine.load_checkpoint(dir)`` still find it).
+
+Commit protocol: a checkpoint exists only once its manifest exists. The manifest is written by rank 0
+after a barrier that follows every rank's writes, and ``latest`` is replaced only after the manifest.
+Both are written to a temporary name and renamed (``os.replace`` is atomic on POSIX), so a kill at any
+moment leaves ``latest`` naming a complete checkpoint, or leaves the previous ``latest`` untouched.
+
+Trust: DeepSpeed 0.19.8 reads its own ``*_states.pt`` files with ``torch.load(weights_only=False)``
+(``TorchCheckpointEngine.load``), i.e. with full pickle, which can run arbitrary code. Load only
+checkpoints you (or someone you trust) wrote. Our ``state_<r>.pt`` files are read with
+``weights_only=True``.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MANIFEST_NAME = "complete.json"
+LATEST_NAME = "latest"
+MANIFEST_FORMAT_VERSION = 1
+_TMP_MARKER = ".tmp."
+_MANIFEST_KEYS = {"format_version", "tag", "world_size", "model_config", "model_config_sha256",
+                  "client_state_keys", "files", "saved_at_unix"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or none of the checkpoints present can be resumed from."""
+
+
+class CheckpointWarning(UserWarning):
+    """Resume falls back to an older checkpoint, or ignores an unfinished one."""
+
+
+def rank_state_name(global_rank: int) -> str:
+    return f"state_{global_rank}.pt"
+
+
+def model_config_hash(model_config: dict) -> str:
+    """sha256 of the config's canonical JSON (sorted keys), so key order does not matter."""
+    return hashlib.sha256(json.dumps(model_config, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- distributed helpers
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _raise_if_any_rank_failed(error: str | None, what: str) -> None:
+    """Collective: every rank calls it. Acts as a barrier and turns one rank's failure into an
+    error on all ranks (a rank that raised alone would leave the others hanging in the next barrier)."""
+    _, world = _rank_and_world()
+    failed = int(error is not None)
+    if world > 1:
+        flag = torch.tensor([failed], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        failed = int(flag.item())
+    if error is not None:
+        raise CheckpointError(error)
+    if failed:
+        raise CheckpointError(f"{what}: {failed} other rank(s) failed (see their error message)")
+
+
+# --------------------------------------------------------------------------- atomic file writes
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """DeepSpeed does not fsync its files. Without this, a power loss after the manifest reached the
+    disk could leave a 'complete' checkpoint with empty files. Cheap for pages already flushed."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(directory)
+
+
+def _write_atomically(path: Path, write_fn) -> None:
+    """write_fn(file_object) writes to a temporary file in the same directory, which is then renamed
+    over `path`. On any OSError the temporary file is removed and `path` keeps its old content."""
+    tmp = path.with_name(f".{path.name}{_TMP_MARKER}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    _write_atomically(path, lambda f: f.write(text.encode()))
+
+
+# --------------------------------------------------------------------------- RNG state
+
+def capture_rng_state() -> dict:
+    """Every RNG state of this process as ints, lists and tensors only, so that the file can be read
+    back with torch.load(weights_only=True)."""
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"keys": np_keys.tolist(), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    hpu_random = _hpu_random_module()
+    if hpu_random is not None:
+        state["hpu"] = hpu_random.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of capture_rng_state. A device RNG state saved on another device type is an error,
+    since resuming would silently change the random stream."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np.asarray(np_state["keys"], dtype=np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch_cpu"])
+    if "cuda" in state:
+        if not torch.cuda.is_available():
+            raise CheckpointError("checkpoint holds CUDA RNG states but CUDA is not available here")
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "hpu" in state:
+        hpu_random = _hpu_random_module()
+        if hpu_random is None:
+            raise CheckpointError("checkpoint holds an HPU RNG state but habana_frameworks is not loaded")
+        hpu_random.set_rng_state(state["hpu"])
+
+
+def _hpu_random_module():
+    # Only when the driver has already imported the Habana bridge (--use_hpu); never import it here.
+    if "habana_frameworks.torch" not in sys.modules:
+        return None
+    import habana_frameworks.torch.hpu.random as hpu_random
+    return hpu_random
+
+
+# --------------------------------------------------------------------------- save
+
+def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state: dict) -> None:
+    """Collective: every rank calls it with the same tag and client_state.
+
+    client_state must hold "model_config" (a dict); it goes into DeepSpeed's model_states file.
+    rank_state (this rank's RNG states etc.) goes into <tag>/state_<global_rank>.pt.
+    Raises CheckpointError (on every rank) when the checkpoint cannot be written; the previous
+    checkpoints and `latest` are then untouched."""
+    if "model_config" not in client_state:
+        raise CheckpointError("client_state has no 'model_config': resume could not check the model")
+    output_dir, tag = Path(output_dir), str(tag)
+    rank, world = _rank_and_world()
+    tag_dir = output_dir / tag
+    _raise_if_any_rank_failed(_prepare_tag_dir(output_dir, tag) if rank == 0 else None,
+                              f"preparing checkpoint {tag_dir}")
+    error = None
+    try:
+        # save_latest=False: DeepSpeed would write `latest` non-atomically and before our manifest.
+        engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
+        _write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
+        _fsync_tree(tag_dir)
+    except OSError as exc:
+        error = f"cannot write checkpoint {tag_dir} on rank {rank}: {exc}"
+    try:
+        _raise_if_any_rank_failed(error, f"writing checkpoint {tag_dir}")
+    except CheckpointError:
+        if rank == 0:  # free the space of the half-written tag (it has no manifest, so is never used)
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        raise
+    error = None
+    if rank == 0:
+        try:
+            _commit(output_dir, tag, world, client_state)
+        except OSError as exc:
+            error = f"cannot commit checkpoint {tag_dir}: {exc}"
+    _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}")
+
+
+def _prepare_tag_dir(output_dir: Path, tag: str) -> str | None:
+    """Rank 0: make an empty <tag> directory. Returns an error message instead of raising, so that
+    every rank can learn of the failure. A directory left by an earlier save of the same tag (killed
+    or not) is removed, manifest first, so that it is never seen as complete while half deleted."""
+    tag_dir = output_dir / tag
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if tag_dir.exists():
+            _delete_tag_dir(tag_dir)
+        tag_dir.mkdir()
+        # Probe: a read-only or full disk must fail here, before DeepSpeed writes anything.
+        _write_text_atomically(tag_dir / ".write_probe", "ok")
+        (tag_dir / ".write_probe").unlink()
+    except OSError as exc:
+        return f"cannot write checkpoint {tag_dir}: {exc}"
+    return None
+
+
+def _delete_tag_dir(tag_dir: Path) -> None:
+    (tag_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    shutil.rmtree(tag_dir)
+
+
+def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict) -> None:
+    """Rank 0, after every rank finished writing: manifest, then `latest`."""
+    import deepspeed  # the version goes into the manifest; imported here to keep import time low
+
+    tag_dir = output_dir / tag
+    files = {}
+    for path in sorted(tag_dir.rglob("*")):
+        if path.is_file():
+            files[path.relative_to(tag_dir).as_posix()] = path.stat().st_size
+    missing = [rank_state_name(r) for r in range(world_size) if rank_state_name(r) not in files]
+    if missing:
+        raise OSError(f"rank files missing after the barrier: {missing}")
+    manifest = {
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "tag": tag,
+        "world_size": world_size,
+        "model_config": client_state["model_config"],
+        "model_config_sha256": model_config_hash(client_state["model_config"]),
+        "client_state_keys": sorted(client_state),
+        "files": files,
+        "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+        "saved_at_unix": time.time(),
+    }
+    _write_text_atomically(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True))
+    _write_text_atomically(output_dir / LATEST_NAME, tag)
+
+
+# --------------------------------------------------------------------------- validation and resume
+
+def _read_manifest(tag_dir: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) when <tag_dir> is a complete checkpoint: manifest readable and every file it
+    lists present with the recorded size. Otherwise (None, reason)."""
+    if not tag_dir.is_dir():
+        return None, "the directory does not exist"
+    try:
+        manifest = json.loads((tag_dir / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return None, f"no {MANIFEST_NAME} (its save was interrupted)"
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable {MANIFEST_NAME}: {exc}"
+    if not isinstance(manifest, dict) or manifest.get("format_version") != MANIFEST_FORMAT_VERSION \
+            or not _MANIFEST_KEYS <= set(manifest):
+        return None, f"{MANIFEST_NAME} is not a format-{MANIFEST_FORMAT_VERSION} manifest"
+    for name, size in manifest["files"].items():
+        path = tag_dir / name
+        if not path.is_file():
+            return None, f"file {name} listed in {MANIFEST_NAME} is missing"
+        if path.stat().st_size != size:
+            return None, f"file {name} has {path.stat().st_size} bytes, {MANIFEST_NAME} says {size}"
+    return manifest, None
+
+
+def _check_compatible(tag_dir: Path, manifest: dict, world_size: int, model_config: dict | None) -> None:
+    """Raise CheckpointError when this run cannot resume from a complete checkpoint."""
+    saved_world = manifest["world_size"]
+    if saved_world != world_size:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved by {saved_world} data-parallel ranks but this run has "
+            f"{world_size}: the data-parallel world size changed. DeepSpeed cannot re-partition ZeRO "
+            f"optimizer states on load; resume with {saved_world} ranks, or convert the checkpoint "
+            f"with DeepSpeed's universal checkpoint tool (deepspeed/checkpoint/ds_to_universal.py), "
+            f"which this repository does not load")
+    if model_config is not None and model_config_hash(model_config) != manifest["model_config_sha256"]:
+        saved = manifest["model_config"]
+        differing = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
+        details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {model_config.get(k)!r}"
+                            for k in differing)
+        raise CheckpointError(f"checkpoint {tag_dir} is from another model config ({details})")
+
+
+def _tag_order_key(tag: str, manifest: dict) -> tuple:
+    # Tags are global steps (phase 2 adds phase1_end_step), so numeric order is training order;
+    # other tags come before numeric ones, ordered by save time.
+    if tag.isdigit():
+        return (1, int(tag), 0.0)
+    return (0, 0, manifest["saved_at_unix"])
+
+
+def _scan(output_dir: Path) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """Complete checkpoints, newest first, and {tag: reason} for checkpoint-like directories that
+    are not complete (any directory holding a DeepSpeed states file, a state_<r>.pt or a manifest)."""
+    complete, broken = [], {}
+    for tag_dir in sorted(p for p in output_dir.iterdir() if p.is_dir()):
+        manifest, reason = _read_manifest(tag_dir)
+        if manifest is not None:
+            complete.append((tag_dir.name, manifest))
+        elif any(tag_dir.glob("*_states.pt")) or any(tag_dir.glob("state_*.pt")) \
+                or (tag_dir / MANIFEST_NAME).exists():
+            broken[tag_dir.name] = reason
+    complete.sort(key=lambda item: _tag_order_key(*item), reverse=True)
+    return complete, broken
+
+
+def _read_latest(output_dir: Path) -> str | None:
+    try:
+        return (output_dir / LATEST_NAME).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+def find_resume_tag(output_dir, world_size: int, model_config: dict | None = None) -> str | None:
+    """Tag to resume from (any rank may call it; it only reads).
+
+    - None when output_dir holds no checkpoint: no `latest` and no complete checkpoint
+      (directories of interrupted first saves are ignored with a CheckpointWarning).
+    - The tag named by `latest` when that checkpoint is complete.
+    - Otherwise the newest complete checkpoint, with a CheckpointWarning saying why.
+    Raises CheckpointError when `latest` exists but no complete checkpoint does, and when the chosen
+    checkpoint was saved with another world size or (if model_config is given) another model config."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    complete, broken = _scan(output_dir)
+    latest = _read_latest(output_dir)
+    by_tag = dict(complete)
+    if latest is not None and latest in by_tag:
+        chosen = latest
+    elif latest is not None:
+        reason = broken.get(latest) or _read_manifest(output_dir / latest)[1]
+        if not complete:
+            raise CheckpointError(f"no usable checkpoint in {output_dir}: `latest` names {latest!r}, "
+                                  f"which is not usable ({reason}), and no other checkpoint is complete")
+        chosen = complete[0][0]
+        warnings.warn(f"{output_dir}: `latest` names checkpoint {latest!r}, which is not usable "
+                      f"({reason}); resuming from the newest complete checkpoint {chosen!r}",
+                      CheckpointWarning, stacklevel=2)
+    elif complete:
+        chosen = complete[0][0]
+        warnings.warn(f"{output_dir}: no `latest` file; resuming from the newest complete "
+                      f"checkpoint {chosen!r}", CheckpointWarning, stacklevel=2)
+    else:
+        if broken:
+            warnings.warn(f"{output_dir}: ignoring unfinished checkpoint(s) {broken} "
+                          f"(no checkpoint was ever completed)", CheckpointWarning, stacklevel=2)
+        return None
+    _check_compatible(output_dir / chosen, by_tag[chosen], world_size, model_config)
+    return chosen
+
+
+def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[dict, dict]:
+    """Collective (DeepSpeed's load is). Returns (client_state, rank_state).
+
+    Resume: the defaults (weights, optimizer, LR scheduler, DeepSpeed's step counters).
+    Phase 2 from a phase-1 checkpoint: load_lr_scheduler_states=False keeps the freshly built
+    scheduler; the optimizer moments are loaded (resetting step counters is the caller's job).
+    --init_checkpoint: load_module_only=True loads the weights only (fresh optimizer and scheduler);
+    rank_state is then {} and the world size may differ from the saving run's.
+    client_state holds exactly the keys given to save_checkpoint."""
+    tag_dir = Path(output_dir) / str(tag)
+    manifest, reason = _read_manifest(tag_dir)
+    if manifest is None:
+        raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
+    if not load_module_only:
+        _check_compatible(tag_dir, manifest, _rank_and_world()[1], None)
+    load_path, ds_state = engine.load_checkpoint(
+        str(output_dir), str(tag), load_module_strict=True, load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed found no model states file in {tag_dir}")
+    client_state = {key: ds_state[key] for key in manifest["client_state_keys"]}
+    if load_module_only:
+        return client_state, {}
+    rank_state = torch.load(tag_dir / rank_state_name(global_rank), map_location="cpu", weights_only=True)
+    return client_state, rank_state
+
+
+def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:
+    """Rank 0 (other ranks return at once): delete all but the newest keep_last_n complete
+    checkpoints, never the one `latest` names. None or 0 keeps everything. Unfinished directories
+    are left alone (a later save of the same tag replaces them). Returns the deleted tags."""
+    if keep_last_n is not None and keep_last_n < 0:
+        raise ValueError(f"keep_last_n must be >= 0 (0 keeps all), got {keep_last_n}")
+    output_dir = Path(output_dir)
+    if not keep_last_n or _rank_and_world()[0] != 0 or not output_dir.is_dir():
+        return []
+    latest = _read_latest(output_dir)
+    complete, _ = _scan(output_dir)
+    doomed = [tag for tag, _ in complete[keep_last_n:] if tag != latest]
+    for tag in doomed:
+        _delete_tag_dir(output_dir / tag)
+    return doomed

@@ -1,0 +1,378 @@
+"""Unit tests of checkpointing.py on a real DeepSpeed engine (CPU, gloo, one process).
+
+The engine wraps a tiny MLP, so each test costs about a second; the model and the data are made here.
+Round trips cannot pass by accident: the engine that loads starts from other weights (another seed)
+and has taken a step of its own, and the check is that it then continues exactly like the engine
+that saved (the same loss and weights after one more step), not only that state dicts compare equal.
+"""
+
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpointing
+from checkpointing import CheckpointError, CheckpointWarning
+
+deepspeed = pytest.importorskip("deepspeed")
+
+MODEL_CONFIG = {"hidden_size": 16, "num_hidden_layers": 1, "vocab_size": 32}
+CONFIGS = [(0, False), (1, False), (2, False), (0, True), (1, True), (2, True)]  # (ZeRO stage, bf16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group():
+    """One gloo process group of world size 1 (deepspeed_cpu.md section 0: no shm op, CPU accelerator)."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu"}.items():
+        os.environ.setdefault(key, value)
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.drop = torch.nn.Dropout(0.1)  # dropout makes the next step depend on the torch RNG too
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        pred = self.out(self.drop(self.norm(torch.nn.functional.gelu(self.inp(x)))))
+        return torch.nn.functional.mse_loss(pred.float(), y)
+
+
+def make_engine(seed: int, stage: int = 0, bf16: bool = False):
+    torch.manual_seed(seed)
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    warmup = torch.optim.lr_scheduler.LambdaLR
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           lr_scheduler=lambda opt: warmup(opt, lambda s: min(1.0, (s + 1) / 5)))
+    return engine
+
+
+def batch(step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(4, 8, generator=gen)
+    return x, torch.randn(4, 4, generator=gen)
+
+
+def train(engine, steps, first=0):
+    losses = []
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        x = x.to(next(engine.module.parameters()).dtype)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def client_state(step: int, config=MODEL_CONFIG) -> dict:
+    return {"global_step": step, "samples_consumed": 4 * step, "epoch": 0, "phase": 1,
+            "model_config": dict(config)}
+
+
+def save(engine, out, step, config=MODEL_CONFIG):
+    checkpointing.save_checkpoint(engine, out, str(step), client_state(step, config),
+                                  checkpointing.capture_rng_state())
+
+
+def weights(engine) -> dict:
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def assert_tensors_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# --------------------------------------------------------------------------- round trip
+
+@pytest.mark.parametrize("stage,bf16", CONFIGS, ids=[f"zero{s}-{'bf16' if b else 'fp32'}" for s, b in CONFIGS])
+def test_round_trip_continues_exactly(tmp_path, stage, bf16):
+    saver = make_engine(seed=0, stage=stage, bf16=bf16)
+    train(saver, 3)
+    save(saver, tmp_path, 3)
+    saved_weights, saved_sched = weights(saver), saver.lr_scheduler.state_dict()
+    torch.manual_seed(77)  # the dropout mask of step 4 comes from the RNG state saved above...
+    random.seed(77)
+    np.random.seed(77)
+    expected_draws = (random.random(), np.random.rand(), torch.rand(3))
+    checkpointing.restore_rng_state(torch.load(tmp_path / "3" / "state_0.pt", weights_only=True))
+    expected_loss = train(saver, 1, first=3)
+    expected_weights = weights(saver)
+
+    loader = make_engine(seed=1, stage=stage, bf16=bf16)
+    train(loader, 1, first=50)  # its own optimizer moments and scheduler position, all different
+    assert not torch.equal(weights(loader)["inp.weight"], saved_weights["inp.weight"])
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    state, rank_state = checkpointing.load_checkpoint(loader, tmp_path, "3", global_rank=0)
+
+    assert state == client_state(3)
+    assert_tensors_equal(weights(loader), saved_weights)
+    assert loader.module.inp.weight.data_ptr() != saver.module.inp.weight.data_ptr()
+    assert loader.lr_scheduler.state_dict() == saved_sched
+    assert loader.global_steps == 3
+    checkpointing.restore_rng_state(rank_state)
+    # ...so after restoring it the loader takes the very same step: same loss, same weights.
+    assert train(loader, 1, first=3) == expected_loss
+    assert_tensors_equal(weights(loader), expected_weights)
+    assert expected_draws != (random.random(), np.random.rand(), torch.rand(3))
+
+
+def test_rng_state_round_trip_through_weights_only_load(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's legacy state
+    state = checkpointing.capture_rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = ([random.random() for _ in range(3)], np.random.standard_normal(3), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    checkpointing.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert [random.random() for _ in range(3)] == expected[0]
+    assert np.array_equal(np.random.standard_normal(3), expected[1])
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+# --------------------------------------------------------------------------- layout, latest, manifest
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """tmp_path with complete checkpoints 2 and 4 (ZeRO-1, fp32) and `latest` = 4."""
+    engine = make_engine(seed=0, stage=1)
+    train(engine, 2)
+    save(engine, tmp_path, 2)
+    train(engine, 2, first=2)
+    save(engine, tmp_path, 4)
+    return tmp_path
+
+
+def test_latest_and_manifest(two_checkpoints):
+    out = two_checkpoints
+    assert (out / "latest").read_text() == "4"
+    assert checkpointing.find_resume_tag(out, 1, MODEL_CONFIG) == "4"
+    manifest = json.loads((out / "4" / "complete.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["tag"] == "4"
+    assert manifest["model_config"] == MODEL_CONFIG
+    assert manifest["deepspeed_version"] == deepspeed.__version__
+    on_disk = {p.name: p.stat().st_size for p in (out / "4").iterdir() if p.name != "complete.json"}
+    assert manifest["files"] == on_disk
+    assert {"mp_rank_00_model_states.pt", "state_0.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"} \
+        <= set(on_disk)  # the ZeRO file is named bf16_zero_pp_rank_... in bf16
+    assert not [p for p in out.rglob("*") if ".tmp." in p.name]
+
+
+def test_deepspeed_reads_our_latest(two_checkpoints):
+    # `latest` keeps DeepSpeed's format: engine.load_checkpoint(dir) without a tag loads step 4.
+    engine = make_engine(seed=3, stage=1)
+    path, state = engine.load_checkpoint(str(two_checkpoints))
+    assert path.endswith(os.path.join("4", "mp_rank_00_model_states.pt"))
+    assert state["global_step"] == 4
+
+
+def test_resave_replaces_leftover_directory(tmp_path):
+    stale = tmp_path / "3"
+    stale.mkdir()
+    (stale / "mp_rank_00_model_states.pt").write_bytes(b"half written")
+    (stale / "junk.bin").write_bytes(b"x")
+    engine = make_engine(seed=0)
+    train(engine, 3)
+    save(engine, tmp_path, 3)
+    assert not (stale / "junk.bin").exists()
+    assert checkpointing.find_resume_tag(tmp_path, 1) == "3"
+    checkpointing.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0)
+
+
+# --------------------------------------------------------------------------- fallback and errors
+
+def resume_with_warning(out, match):
+    with pytest.warns(CheckpointWarning, match=match):
+        return checkpointing.find_resume_tag(out, 1, MODEL_CONFIG)
+
+
+def test_interrupted_save_is_ignored_while_latest_is_complete(two_checkpoints):
+    partial = two_checkpoints / "6"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert checkpointing.find_resume_tag(two_checkpoints, 1, MODEL_CONFIG) == "4"
+
+
+def test_latest_naming_incomplete_tag_falls_back(two_checkpoints):
+    (two_checkpoints / "4" / "complete.json").unlink()
+    assert resume_with_warning(two_checkpoints, r"'4'.*no complete\.json.*newest complete checkpoint '2'") == "2"
+
+
+def test_latest_naming_missing_tag_falls_back(two_checkpoints):
+    (two_checkpoints / "latest").write_text("8")
+    assert resume_with_warning(two_checkpoints, r"'8'.*does not exist.*'4'") == "4"
+
+
+def test_missing_rank_file_falls_back(two_checkpoints):
+    (two_checkpoints / "4" / "state_0.pt").unlink()
+    assert resume_with_warning(two_checkpoints, r"state_0\.pt listed in complete\.json is missing") == "2"
+    with pytest.raises(CheckpointError, match="state_0.pt"):
+        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0)
+
+
+def test_truncated_file_falls_back(two_checkpoints):
+    path = two_checkpoints / "4" / "mp_rank_00_model_states.pt"
+    os.truncate(path, path.stat().st_size // 2)
+    assert resume_with_warning(two_checkpoints, r"mp_rank_00_model_states\.pt has \d+ bytes") == "2"
+
+
+def test_no_latest_file_uses_newest_complete(two_checkpoints):
+    (two_checkpoints / "latest").unlink()
+    assert resume_with_warning(two_checkpoints, "no `latest` file") == "4"
+
+
+def test_other_model_config_is_an_error(two_checkpoints):
+    other = dict(MODEL_CONFIG, hidden_size=32)
+    with pytest.raises(CheckpointError, match=r"another model config \(hidden_size: checkpoint 16 vs run 32\)"):
+        checkpointing.find_resume_tag(two_checkpoints, 1, other)
+
+
+def test_world_size_change_is_an_error(two_checkpoints):
+    with pytest.raises(CheckpointError, match=r"saved by 1 data-parallel ranks but this run has 2.*universal"):
+        checkpointing.find_resume_tag(two_checkpoints, 2, MODEL_CONFIG)
+
+
+def test_none_usable_is_an_error(two_checkpoints):
+    for tag in ("2", "4"):
+        (two_checkpoints / tag / "state_0.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"`latest` names '4'.*state_0\.pt.*no other checkpoint is complete"):
+        checkpointing.find_resume_tag(two_checkpoints, 1, MODEL_CONFIG)
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path):
+    assert checkpointing.find_resume_tag(tmp_path / "absent", 1) is None
+    (tmp_path / "dllogger.json").write_text("")
+    assert checkpointing.find_resume_tag(tmp_path, 1) is None
+    first = tmp_path / "2"
+    first.mkdir()
+    (first / "mp_rank_00_model_states.pt").write_bytes(b"killed during the first save")
+    assert resume_with_warning(tmp_path, r"ignoring unfinished checkpoint.*'2'") is None
+
+
+# --------------------------------------------------------------------------- prune
+
+def test_prune_keeps_newest_and_latest(tmp_path):
+    engine = make_engine(seed=0)
+    for step in (1, 2, 3, 4):
+        train(engine, 1, first=step)
+        save(engine, tmp_path, step)
+    partial = tmp_path / "0"
+    partial.mkdir()
+    (partial / "state_0.pt").write_bytes(b"x")
+    assert checkpointing.prune_checkpoints(tmp_path, None) == []
+    (tmp_path / "latest").write_text("1")  # e.g. after a fallback: `latest` must survive pruning
+    assert sorted(checkpointing.prune_checkpoints(tmp_path, 2)) == ["2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1", "3", "4"]
+    with pytest.raises(ValueError, match="keep_last_n"):
+        checkpointing.prune_checkpoints(tmp_path, -1)
+
+
+# --------------------------------------------------------------------------- write errors
+
+def assert_previous_intact(out):
+    assert (out / "latest").read_text() == "4"
+    assert checkpointing.find_resume_tag(out, 1, MODEL_CONFIG) == "4"
+    assert not [p for p in out.rglob("*") if ".tmp." in p.name]
+    state, _ = checkpointing.load_checkpoint(make_engine(seed=1, stage=1), out, "4", 0)
+    assert state["global_step"] == 4
+
+
+def test_disk_full_during_save(two_checkpoints, monkeypatch):
+    real_save = torch.save
+
+    def save_until_full(obj, f, *args, **kwargs):
+        if "optim_states" in str(f):
+            Path(f).write_bytes(b"first bytes")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    engine = make_engine(seed=0, stage=1)
+    monkeypatch.setattr(torch, "save", save_until_full)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint .*6.*No space left on device"):
+        save(engine, two_checkpoints, 6)
+    monkeypatch.undo()
+    assert not (two_checkpoints / "6").exists()
+    assert_previous_intact(two_checkpoints)
+
+
+def test_failed_latest_update_leaves_no_temp_file(two_checkpoints, monkeypatch):
+    real_replace = os.replace
+
+    def replace_failing_for_latest(src, dst):
+        if Path(dst).name == "latest":
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    engine = make_engine(seed=0, stage=1)
+    monkeypatch.setattr(os, "replace", replace_failing_for_latest)
+    with pytest.raises(CheckpointError, match="cannot commit checkpoint .*No space left on device"):
+        save(engine, two_checkpoints, 6)
+    monkeypatch.undo()
+    assert_previous_intact(two_checkpoints)
+
+
+@contextlib.contextmanager
+def read_only(directory: Path):
+    """Make `directory` read-only for this process: chmod for ordinary users; root ignores modes,
+    so for root a read-only bind mount of the directory onto itself (needs CAP_SYS_ADMIN)."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [directory, *directory.rglob("*")] if p.is_dir()}
+        for path in modes:
+            path.chmod(0o555)
+        try:
+            yield
+        finally:
+            for path, mode in modes.items():
+                path.chmod(mode)
+        return
+    bind = subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True)
+    if bind.returncode != 0:
+        pytest.skip(f"root without mount permission cannot make a read-only directory: {bind.stderr!r}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_read_only_output_dir(two_checkpoints):
+    engine = make_engine(seed=0, stage=1)
+    with read_only(two_checkpoints):
+        with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*6.*(Read-only|Permission denied)"):
+            save(engine, two_checkpoints, 6)
+    assert_previous_intact(two_checkpoints)
