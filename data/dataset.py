@@ -1,0 +1,284 @@
+"""Training-side reading of HDF5 shards as one deterministic global sample stream.
+
+The stream. Epoch e lays the training shards (files of --input_dir whose name contains "training")
+end to end, in an order shuffled by a generator seeded with (seed, e). That concatenation is cut into
+fixed windows of K samples, and the rows inside window w are permuted by a generator seeded with
+(seed, e, w). The stream is epoch 0's order, then epoch 1's, and so on. A stream *position* is the
+number of samples consumed since the start of training: the whole data position is one integer.
+
+Ranks. With micro-batch m and world size W, global micro-batch g covers positions [g*B, (g+1)*B),
+B = m*W, and rank r takes [g*B + r*m, g*B + (r+1)*m). So every sample is used exactly once per epoch,
+every rank takes the same number of micro-batches, and the micro-batch that straddles the end of an
+epoch simply takes the first samples of the next epoch. Resuming costs O(1): start at the position.
+
+Memory. Only one window (K samples, K from a memory budget) is held per reader; a window is read from
+HDF5 as contiguous row ranges, so a shard larger than the budget is never read whole. Every rank reads
+every window (it needs 1/W of it); this keeps the reader simple and costs W times the decompression,
+the same I/O the reference spends by visiting each file W times per epoch. A background thread
+prepares the next micro-batches while the current one trains.
+
+Batches are tuples of int64 tensors in the reference's order: input_ids, segment_ids, input_mask,
+masked_lm_labels (-1 except at masked positions), next_sentence_labels.
+"""
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from data.shard_format import SHARD_KEYS, ShardError, read_shard_header
+
+TRAINING_MARKER = "training"
+BATCH_FIELDS = ("input_ids", "segment_ids", "input_mask", "masked_lm_labels", "next_sentence_labels")
+# Upper bound of the in-memory size of one sample: every field as int64 (3 x seq_len + 2 x max_pred + 1).
+_BYTES_PER_ELEMENT = 8
+
+
+class BadShardRows(ShardError):
+    """Rows of one shard cannot be read or hold out-of-range values; `path` names the shard."""
+
+    def __init__(self, path, message):
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    num_samples: int
+
+
+def find_training_shards(input_dir) -> list:
+    """Sorted regular files of input_dir whose name contains 'training' (the reference's rule)."""
+    return sorted(p for p in Path(input_dir).iterdir() if p.is_file() and TRAINING_MARKER in p.name)
+
+
+def scan_shards(input_dir):
+    """Validate the header of every training shard; return (shards, seq_len, max_pred).
+
+    Raises ShardError when there is no shard, when a header is invalid, or when the shards disagree
+    on seq_len / max_pred. Empty shards are valid and contribute nothing.
+    """
+    paths = find_training_shards(input_dir)
+    if not paths:
+        raise ShardError(f"{input_dir}: no training shards (files whose name contains '{TRAINING_MARKER}')")
+    shards, shapes = [], {}
+    for path in paths:
+        num_samples, seq_len, max_pred = read_shard_header(path)
+        shapes.setdefault((seq_len, max_pred), path)
+        if len(shapes) > 1:
+            (first, first_path), (second, _) = list(shapes.items())[:2]
+            raise ShardError(f"{path}: (seq_len, max_pred) = {second}, but {first_path} has {first}")
+        shards.append(ShardInfo(path, num_samples))
+    (seq_len, max_pred), = shapes
+    return shards, seq_len, max_pred
+
+
+def window_size_for_budget(budget_bytes: int, seq_len: int, max_pred: int) -> int:
+    """Samples per window so that one window of int64 arrays fits in budget_bytes (at least 1)."""
+    per_sample = (3 * seq_len + 2 * max_pred + 1) * _BYTES_PER_ELEMENT
+    return max(1, budget_bytes // per_sample)
+
+
+class SampleStream:
+    """Pure mapping from stream positions to (shard, row); no file access, no global RNG."""
+
+    def __init__(self, shards, seed: int, window_size: int, shuffle: bool = True):
+        self.shards = [s for s in shards if s.num_samples > 0]
+        if not self.shards:
+            raise ShardError("every training shard is empty (or was skipped)")
+        self.seed, self.window_size, self.shuffle = seed, window_size, shuffle
+        self.epoch_size = sum(s.num_samples for s in self.shards)
+
+    def epoch_of(self, position: int) -> int:
+        return position // self.epoch_size
+
+    def shard_order(self, epoch: int) -> list:
+        if not self.shuffle:
+            return list(range(len(self.shards)))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards)).tolist()
+
+    def window_pieces(self, epoch: int, window: int) -> list:
+        """(shard, first_row, end_row) ranges that make up window `window` of `epoch`, in layout order."""
+        start = window * self.window_size
+        end = min(start + self.window_size, self.epoch_size)
+        pieces, offset = [], 0
+        for index in self.shard_order(epoch):
+            shard = self.shards[index]
+            lo, hi = max(start, offset), min(end, offset + shard.num_samples)
+            if lo < hi:
+                pieces.append((shard, lo - offset, hi - offset))
+            offset += shard.num_samples
+        return pieces
+
+    def window_permutation(self, epoch: int, window: int, length: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(length)
+        return np.random.default_rng([self.seed, epoch, window]).permutation(length)
+
+
+def masked_lm_labels(positions: np.ndarray, ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """[N, seq_len] int64 labels, -1 except labels[i, positions[i, j]] = ids[i, j] for the valid j.
+
+    As the reference: the valid predictions of a row end at the first position 0 (position 0 is [CLS],
+    never masked, so it is the padding sentinel)."""
+    labels = np.full((positions.shape[0], seq_len), -1, dtype=np.int64)
+    valid = np.cumprod(positions != 0, axis=1).astype(bool)
+    rows = np.broadcast_to(np.arange(positions.shape[0])[:, None], positions.shape)
+    labels[rows[valid], positions[valid]] = ids[valid]
+    return labels
+
+
+def _read_piece(shard: ShardInfo, first: int, end: int, vocab_size: int) -> dict:
+    """Rows [first, end) of one shard as numpy arrays, with the token ids and positions checked."""
+    try:
+        with h5py.File(shard.path, "r") as f:
+            arrays = {key: f[key][first:end] for key in SHARD_KEYS}
+    except (OSError, KeyError) as err:
+        raise BadShardRows(shard.path, f"cannot read samples {first}..{end - 1}: {err}") from err
+    seq_len = arrays["input_ids"].shape[1]
+    checks = (("input_ids", vocab_size, "token id"), ("masked_lm_ids", vocab_size, "masked token id"),
+              ("masked_lm_positions", seq_len, "masked position"))
+    for key, limit, what in checks:
+        bad = np.argwhere((arrays[key] < 0) | (arrays[key] >= limit))
+        if len(bad):
+            row, col = bad[0]
+            raise BadShardRows(shard.path, f"sample {first + row}: {what} {arrays[key][row, col]} "
+                                           f"outside [0, {limit})")
+    return arrays
+
+
+class WindowReader:
+    """Reads the samples at given stream positions, one window in memory at a time.
+
+    With skip_bad_shards, a shard that fails to read or validate is dropped from the stream (the
+    layout is recomputed without it from that point on, so that epoch may repeat or miss samples);
+    the dropped paths are in `skipped_shards` and must be passed back on resume.
+    """
+
+    def __init__(self, shards, seed, window_size, vocab_size, shuffle=True, skip_bad_shards=False,
+                 skipped_shards=()):
+        self.all_shards, self.seed, self.window_size = list(shards), seed, window_size
+        self.vocab_size, self.shuffle, self.skip_bad_shards = vocab_size, shuffle, skip_bad_shards
+        self.skipped_shards = [str(p) for p in skipped_shards]
+        self._rebuild_stream()
+
+    def _rebuild_stream(self):
+        kept = [s for s in self.all_shards if str(s.path) not in self.skipped_shards]
+        self.stream = SampleStream(kept, self.seed, self.window_size, self.shuffle)
+        self._window_key, self._window = None, None
+
+    def _load_window(self, epoch: int, window: int) -> dict:
+        pieces = [_read_piece(shard, first, end, self.vocab_size)
+                  for shard, first, end in self.stream.window_pieces(epoch, window)]
+        arrays = {key: np.concatenate([p[key] for p in pieces]) for key in SHARD_KEYS}
+        order = self.stream.window_permutation(epoch, window, len(arrays["input_ids"]))
+        return {key: value[order] for key, value in arrays.items()}
+
+    def _window_for(self, position: int):
+        """(window arrays, index of `position` inside them), loading the window when needed."""
+        epoch, in_epoch = divmod(position, self.stream.epoch_size)
+        window, index = divmod(in_epoch, self.window_size)
+        if self._window_key != (epoch, window):
+            self._window, self._window_key = self._load_window(epoch, window), (epoch, window)
+        return self._window, index
+
+    def read(self, start: int, count: int) -> dict:
+        """Numpy arrays (SHARD_KEYS) of the samples at positions [start, start + count)."""
+        while True:
+            try:
+                return self._read_positions(start, count)
+            except BadShardRows as err:
+                if not self.skip_bad_shards:
+                    raise
+                self.skipped_shards.append(err.path)
+                self._rebuild_stream()
+
+    def _read_positions(self, start: int, count: int) -> dict:
+        parts, position, end = [], start, start + count
+        while position < end:
+            window, index = self._window_for(position)
+            take = min(end - position, len(window["input_ids"]) - index)
+            parts.append({key: value[index:index + take] for key, value in window.items()})
+            position += take
+        return {key: np.concatenate([p[key] for p in parts]) for key in SHARD_KEYS}
+
+
+def to_batch(arrays: dict) -> tuple:
+    """Numpy shard rows -> the reference's tuple of int64 tensors (see BATCH_FIELDS)."""
+    seq_len = arrays["input_ids"].shape[1]
+    labels = masked_lm_labels(arrays["masked_lm_positions"], arrays["masked_lm_ids"], seq_len)
+    fields = (arrays["input_ids"], arrays["segment_ids"], arrays["input_mask"], labels,
+              arrays["next_sentence_labels"])
+    return tuple(torch.from_numpy(np.ascontiguousarray(f, dtype=np.int64)) for f in fields)
+
+
+@dataclass
+class MicroBatch:
+    tensors: tuple          # see BATCH_FIELDS
+    position: int           # stream position of the first sample of this global micro-batch
+    next_position: int      # position after this global micro-batch (= samples consumed after it)
+    epoch: int              # epoch of the first sample
+    crosses_epoch: bool     # the global micro-batch ends in the next epoch
+    skipped_shards: tuple   # shards dropped so far (--skip_bad_shards)
+
+
+class RankBatches:
+    """Iterator over this rank's micro-batches from `start_position`, prepared by a background thread.
+
+    Every rank builds one with the same arguments except `rank`. Call close() when done.
+    """
+
+    def __init__(self, reader: WindowReader, rank: int, world_size: int, micro_batch: int,
+                 start_position: int, prefetch: int = 4):
+        self.reader, self.rank, self.micro_batch = reader, rank, micro_batch
+        self.global_batch = micro_batch * world_size
+        if reader.stream.epoch_size < self.global_batch:
+            raise ShardError(f"the dataset has {reader.stream.epoch_size} samples, fewer than one global "
+                             f"micro-batch ({micro_batch} x {world_size} ranks = {self.global_batch})")
+        self._queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(start_position,), daemon=True,
+                                        name="batch-prefetch")
+        self._thread.start()
+
+    def _make(self, position: int) -> MicroBatch:
+        arrays = self.reader.read(position + self.rank * self.micro_batch, self.micro_batch)
+        stream = self.reader.stream
+        last = position + self.global_batch - 1
+        return MicroBatch(to_batch(arrays), position, position + self.global_batch,
+                          stream.epoch_of(position), stream.epoch_of(last) != stream.epoch_of(position),
+                          tuple(self.reader.skipped_shards))
+
+    def _produce(self, position: int):
+        while not self._stop.is_set():
+            try:
+                item = self._make(position)
+            except Exception as err:  # handed to the consumer thread, which re-raises it
+                item = err
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, Exception):
+                return
+            position += self.global_batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> MicroBatch:
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)

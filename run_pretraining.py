@@ -1,0 +1,665 @@
+#!/usr/bin/env python
+"""BERT pretraining on DeepSpeed (ZeRO 0/1/2, fp32 or bf16) on HPU, CUDA or CPU.
+
+Launch through the DeepSpeed launcher (scripts/run_bert_*.sh), e.g. for 2 CPU ranks:
+
+    deepspeed --num_gpus 2 --no_local_rank run_pretraining.py --config_file scripts/bert_tiny_config.json \
+        --input_dir DATA --output_dir OUT --optimizer lans --use_lr_scheduler --deepspeed \
+        --deepspeed_config scripts/deepspeed_config_bert_tiny_cpu_zero1.json
+
+or as one process with `python run_pretraining.py ...`. Flags follow the Habana reference (same names and
+defaults); the README lists where the behaviour differs. `main(argv)` returns the run summary as a dict,
+so tests drive the real program in-process.
+
+Stages of a run: parse + validate every input (one clear error before any step) -> device, backend and
+DeepSpeed's CPU traps -> model, optimizer, scheduler, engine -> resume / init / phase-2 -> the training
+loop (`train`) -> final checkpoint and summary.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checkpointing
+from data.dataset import RankBatches, WindowReader, scan_shards, window_size_for_budget
+from data.shard_format import ShardError
+from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
+from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
+from schedulers import PolyWarmUpScheduler
+
+try:
+    import dllogger
+except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
+    import dllogger_fallback as dllogger
+
+PROFILERS = ("pt", "pt-full", "hltv")
+IGNORED_FLAGS_HELP = "Accepted for compatibility with the reference; does nothing here."
+
+
+class InputError(ValueError):
+    """Bad command line, configuration or data, found before the first training step."""
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose before its end (too many non-finite steps); a checkpoint was saved."""
+
+
+# ============================================================================ arguments
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
+    add = parser.add_argument
+    add("--input_dir", required=True, help="Directory of HDF5 shards; files whose name contains 'training' are used.")
+    add("--config_file", required=True, help="Model configuration JSON (modeling.BertConfig).")
+    add("--output_dir", required=True, help="Checkpoint directory; must be empty unless --resume_from_checkpoint.")
+    add("--max_predictions_per_seq", type=int, default=80, help="Upper bound of the shards' masked positions.")
+    add("--learning_rate", type=float, default=5e-5, help="Base learning rate.")
+    add("--max_steps", type=float, default=1000, help="Optimizer steps of the LR schedule (and of the phase).")
+    add("--warmup_proportion", type=float, default=0.01, help="Warm-up fraction of --max_steps.")
+    add("--scheduler_degree", type=float, default=1.0, help="Exponent of the polynomial decay.")
+    add("--constant_proportion", type=float, default=0.0, help="Fraction of --max_steps held at the base LR after warm-up.")
+    add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
+    add("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
+    add("--log_freq", type=float, default=1.0, help="Log every this many optimizer steps.")
+    add("--resume_from_checkpoint", action="store_true", help="Resume from --output_dir (fresh start, said so, if it holds no checkpoint).")
+    add("--resume_step", type=int, default=-1, help="Tag to resume from; -1 = the 'latest' checkpoint.")
+    add("--num_steps_per_checkpoint", type=int, default=100, help="Save every N optimizer steps of this run.")
+    add("--skip_checkpoint", action="store_true", help="Never save checkpoints.")
+    add("--phase2", action="store_true", help="Start phase 2 from a phase-1 checkpoint: reset step counters and scheduler, keep moments.")
+    add("--phase1_end_step", type=int, default=7038, help="Global step at which phase 1 ended.")
+    add("--json-summary", dest="json_summary", default="results/dllogger.json", help="dllogger JSON stream (rank 0).")
+    add("--disable_progress_bar", action="store_true", help="No tqdm bar on rank 0.")
+    add("--steps_this_run", type=int, default=-1, help="Optimizer steps in this run (-1: until --max_steps). "
+        "Unlike the reference, counted from the start of this run, not from step 0.")
+    add("--optimizer", default=None, help=f"One of {', '.join(OPTIMIZERS)}; none = the DeepSpeed JSON's optimizer.")
+    add("--betas", type=float, nargs=2, default=None, help="Optimizer betas.")
+    add("--use_lr_scheduler", action="store_true", help="PolyWarmUpScheduler (else the DeepSpeed JSON's scheduler, or constant LR).")
+    add("--disable_random_sampler", action="store_true", help="Read shards and samples in order (debugging).")
+    add("--checkpoint_activations", action="store_true", help="Recompute encoder activations in the backward pass.")
+    add("--checkpoint_activations_interval", type=int, default=1, help="Layers per checkpointed chunk.")
+    add("--profile", default=None, help="pt | pt-full (torch profiler, full = with stacks) | hltv (HPU only).")
+    add("--profile_steps", default="2,3", help="start,end: micro-steps (inclusive) to profile.")
+    add("--use_hpu", action="store_true", help="Run on Habana Gaudi (needs habana_frameworks), backend hccl.")
+    add("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
+    # Additions of this repository.
+    add("--keep_last_n_checkpoints", type=int, default=0, help="Keep only the newest N checkpoints (0 = keep all).")
+    add("--max_bad_steps", type=int, default=10, help="Stop after this many consecutive steps with a non-finite loss.")
+    add("--skip_bad_shards", action="store_true", help="Skip (and count) a shard that fails to read mid-epoch instead of stopping.")
+    add("--init_checkpoint", default=None, help="Start from these weights (checkpoint tag dir or state-dict file) with a fresh optimizer.")
+    add("--data_memory_budget_mb", type=float, default=256, help="Memory per rank for the data window being read.")
+    ignored = parser.add_argument_group("ignored", "Accepted for compatibility with the reference; these do nothing.")
+    for flag, kind, default in (("--bert_model", str, "bert-large-uncased"), ("--max_seq_length", int, 512),
+                                ("--num_train_epochs", float, 3.0), ("--loss_scale", float, 0.0),
+                                ("--init_loss_scale", int, 2 ** 20), ("--tensor_logger_max_iterations", int, 0),
+                                ("--tensor_logger_path", str, None)):
+        ignored.add_argument(flag, type=kind, default=default, help=IGNORED_FLAGS_HELP)
+    for flag in ("--do_train", "--use_env", "--use_ds_lamb_bias_correction", "--run_loss_in_fp32",
+                 "--log_model_inputs", "--log_fwd_activations", "--log_bwd_grads"):
+        ignored.add_argument(flag, action="store_true", help=IGNORED_FLAGS_HELP)
+    return parser
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # DeepSpeed picks its accelerator when first imported: choose it before that.
+    if "--no_cuda" in argv:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif "--use_hpu" in argv:
+        os.environ.setdefault("DS_ACCELERATOR", "hpu")
+    import deepspeed
+    parser = build_parser()
+    deepspeed.add_config_arguments(parser)
+    return parser.parse_args(argv)
+
+
+# ============================================================================ validation (before any step)
+
+@dataclass
+class DataInfo:
+    shards: list
+    seq_len: int
+    max_pred: int
+    num_samples: int
+
+
+def validate_args(args, world_size: int) -> tuple:
+    """Every check that needs no device: returns (ds_config, model_config, data_info); raises InputError."""
+    if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
+        raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if args.profile is not None and args.profile not in PROFILERS:
+        raise InputError(f"unknown --profile {args.profile!r}: choose one of {', '.join(PROFILERS)}")
+    if args.profile == "hltv" and not args.use_hpu:
+        raise InputError("--profile hltv is the Habana profiler: it needs --use_hpu (use pt or pt-full elsewhere)")
+    parse_profile_steps(args.profile_steps)
+    for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps"):
+        if getattr(args, name) <= 0:
+            raise InputError(f"--{name} must be positive, got {getattr(args, name)}")
+    output_dir = Path(args.output_dir)
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not args.resume_from_checkpoint:
+        raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint or use an empty directory")
+    if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
+        raise InputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
+    ds_config = load_deepspeed_config(args, world_size)
+    try:
+        model_config = BertConfig.from_json_file(args.config_file)
+    except (OSError, ValueError) as err:
+        raise InputError(f"--config_file {args.config_file}: {err}") from err
+    data = inspect_data(args, ds_config["train_micro_batch_size_per_gpu"] * world_size)
+    return ds_config, model_config, data
+
+
+def load_deepspeed_config(args, world_size: int) -> dict:
+    """Read the DeepSpeed JSON and check the batch arithmetic and what a client optimizer needs."""
+    if not args.deepspeed_config:
+        raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu_zero1.json)")
+    try:
+        config = json.loads(Path(args.deepspeed_config).read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(f"--deepspeed_config {args.deepspeed_config}: {err}") from err
+    micro = config.get("train_micro_batch_size_per_gpu")
+    total = config.get("train_batch_size")
+    if not isinstance(micro, int) or not isinstance(total, int) or micro <= 0 or total <= 0:
+        raise InputError(f"{args.deepspeed_config}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps", total // (micro * world_size))
+    if total != micro * gas * world_size or gas < 1:
+        raise InputError(f"{args.deepspeed_config}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
+                         f"x gradient_accumulation_steps {gas} x world size {world_size}")
+    config["gradient_accumulation_steps"] = gas
+    zero_stage = config.get("zero_optimization", {}).get("stage", 0)
+    if args.optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
+        raise InputError(f"{args.deepspeed_config}: ZeRO with --optimizer {args.optimizer} needs "
+                         '"zero_allow_untested_optimizer": true')
+    if args.optimizer is None and "optimizer" not in config:
+        raise InputError(f"no optimizer: pass --optimizer or add an optimizer section to {args.deepspeed_config}")
+    return config
+
+
+def inspect_data(args, global_micro_batch: int) -> DataInfo:
+    """Check the header of every training shard (ids are checked later, per window read)."""
+    input_dir = Path(args.input_dir)
+    if not input_dir.is_dir():
+        raise InputError(f"--input_dir {input_dir} does not exist or is not a directory")
+    try:
+        shards, seq_len, max_pred = scan_shards(input_dir)
+    except ShardError as err:
+        raise InputError(str(err)) from err
+    if max_pred > args.max_predictions_per_seq:
+        raise InputError(f"the shards hold {max_pred} masked positions per sequence, more than "
+                         f"--max_predictions_per_seq {args.max_predictions_per_seq}")
+    num_samples = sum(s.num_samples for s in shards)
+    if num_samples < global_micro_batch:
+        raise InputError(f"--input_dir {input_dir} holds {num_samples} samples, fewer than one global "
+                         f"micro-batch ({global_micro_batch})")
+    return DataInfo(shards, seq_len, max_pred, num_samples)
+
+
+def parse_profile_steps(text: str) -> tuple:
+    try:
+        start, end = (int(x) for x in text.split(","))
+    except ValueError as err:
+        raise InputError(f"--profile_steps must be 'start,end' (integers), got {text!r}") from err
+    if not 0 <= start <= end:
+        raise InputError(f"--profile_steps needs 0 <= start <= end, got {text!r}")
+    return start, end
+
+
+# ============================================================================ device, backend, DeepSpeed traps
+
+def setup_device_and_distributed(args) -> torch.device:
+    """The only place that touches backends, environment variables and DeepSpeed's CPU traps."""
+    if "RANK" not in os.environ:  # started without a launcher: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0)))
+    if args.use_hpu:
+        try:
+            import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
+            import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers hccl)
+        except ImportError as err:
+            raise InputError(f"--use_hpu needs the SynapseAI PyTorch bridge (habana_frameworks): {err}") from err
+        device, backend = torch.device("hpu"), "hccl"
+    elif torch.cuda.is_available() and not args.no_cuda:
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        _share_cores_between_local_ranks()
+    import deepspeed
+    import deepspeed.ops
+    if device.type == "cpu":
+        # Trap 1: DeepSpeed JIT-compiles a shared-memory op (25-70 s, needs g++ and ninja) in
+        # init_distributed on CPU; it only serves inference all-reduce.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend)
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _share_cores_between_local_ranks():
+    """Trap: the deepspeed launcher does not set OMP_NUM_THREADS, so N ranks on one machine would each
+    use every core (measured 20-30x slower steps with 2 ranks on 2 cores). Respect a user's setting."""
+    local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if "OMP_NUM_THREADS" not in os.environ and local_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+# ============================================================================ model, optimizer, engine
+
+@contextmanager
+def optimizer_step_suppressed(optimizer):
+    """Within this block optimizer.step() does nothing (weights, moments and step counters untouched).
+
+    Used (a) around deepspeed.initialize, where bf16 + ZeRO-0 wraps the optimizer in
+    FP16_UnfusedOptimizer, which takes one zero-gradient step (trap 5: it would apply weight decay and
+    shift LANS's step count, and with it the LR schedule); (b) around engine.step() for a step whose
+    loss is not finite, so that DeepSpeed's bookkeeping runs but the update does not."""
+    if optimizer is None:
+        yield
+        return
+    optimizer.step = lambda closure=None: None
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+def build_model(args, config: BertConfig):
+    model = BertForPreTraining(config)
+    if args.init_checkpoint:
+        model.load_state_dict(load_init_weights(args.init_checkpoint))
+    if args.checkpoint_activations:
+        import deepspeed
+        model.checkpoint_activations(True, args.checkpoint_activations_interval,
+                                     checkpoint_fn=deepspeed.checkpointing.checkpoint)
+    return model
+
+
+def load_init_weights(path) -> dict:
+    """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file."""
+    path = Path(path)
+    file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    state = state.get("module", state)
+    return {key: value.float() for key, value in state.items()}
+
+
+def build_engine(args, model, ds_config: dict):
+    """deepspeed.initialize with the client optimizer and scheduler; returns (engine, client optimizer)."""
+    import deepspeed
+    groups = get_parameter_groups(model)
+    optimizer = scheduler = None
+    if args.optimizer:
+        # adjust_step=False: no zero-gradient step ever reaches the optimizer (see optimizer_step_suppressed).
+        optimizer = build_optimizer(args.optimizer, groups, args.learning_rate, betas=args.betas, adjust_step=False)
+        if args.use_lr_scheduler:
+            scheduler = PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=int(args.max_steps),
+                                            degree=args.scheduler_degree, constant=args.constant_proportion)
+    with optimizer_step_suppressed(optimizer):
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               model_parameters=None if optimizer else groups, config=ds_config)
+    return engine, optimizer or engine.optimizer
+
+
+# ============================================================================ resume, phase 2
+
+@dataclass
+class TrainState:
+    """Everything the loop needs to continue; saved in every checkpoint's client_state."""
+    global_step: int = 0            # optimizer steps in this phase
+    samples_consumed: int = 0       # stream position of the next global micro-batch (data/dataset.py)
+    phase: int = 1
+    skipped_shards: list = field(default_factory=list)
+    bad_steps: int = 0              # steps skipped for a non-finite loss, in total
+    bad_steps_in_a_row: int = 0
+
+
+def checkpoint_tag(args, state: TrainState) -> str:
+    # Phase-2 tags continue after phase 1's, so both phases can share one output directory.
+    return str(state.global_step + (args.phase1_end_step if state.phase == 2 else 0))
+
+
+def restore_state(args, engine, optimizer, config: BertConfig, say) -> TrainState:
+    """Resume from --output_dir when asked; otherwise (or when it holds no checkpoint) a fresh state."""
+    fresh = TrainState(phase=2 if args.phase2 else 1)
+    if not args.resume_from_checkpoint:
+        return fresh
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tag = str(args.resume_step) if args.resume_step >= 0 else checkpointing.find_resume_tag(args.output_dir, world)
+    if tag is None:
+        say(f"no checkpoint in {args.output_dir}: starting from scratch")
+        return fresh
+    fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    client, rank_state = checkpointing.load_checkpoint(engine, args.output_dir, tag, rank)
+    if client["model_config"] != config.to_dict():
+        raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
+    checkpointing.restore_rng_state(rank_state)
+    state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
+                       list(client.get("skipped_shards", [])), client.get("bad_steps", 0))
+    if args.phase2 and state.phase == 1:
+        if state.global_step != args.phase1_end_step:
+            raise InputError(f"checkpoint {tag} is at step {state.global_step}, but --phase1_end_step is {args.phase1_end_step}")
+        start_phase2(engine, optimizer, fresh_schedule)
+        state = TrainState(phase=2)
+    say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
+        f"{state.samples_consumed} samples consumed")
+    return state
+
+
+def start_phase2(engine, optimizer, fresh_schedule):
+    """As the reference: step counters and scheduler start again, the optimizer moments are kept."""
+    for group in optimizer.param_groups:
+        group["step"] = 0
+    for param_state in optimizer.state.values():
+        if "step" in param_state:
+            param_state["step"] = torch.zeros_like(param_state["step"]) if torch.is_tensor(param_state["step"]) else 0
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(fresh_schedule)
+        engine.lr_scheduler.step()  # sets the LR of phase 2's first step
+    engine.global_steps = engine.global_samples = engine.skipped_steps = 0
+
+
+def save(run, state: TrainState) -> str:
+    """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's)."""
+    args, tag = run.args, checkpoint_tag(run.args, state)
+    client_state = {"global_step": state.global_step, "samples_consumed": state.samples_consumed,
+                    "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
+                    "model_config": run.model_config.to_dict(), "world_size": run.world,
+                    "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps}
+    checkpointing.save_checkpoint(run.engine, args.output_dir, tag, client_state, checkpointing.capture_rng_state())
+    if args.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
+        checkpointing.prune_checkpoints(args.output_dir, args.keep_last_n_checkpoints)
+    run.say(f"saved checkpoint {tag}")
+    return tag
+
+
+# ============================================================================ logging
+
+def step_format(step) -> str:
+    if isinstance(step, tuple) and len(step) == 2:
+        return f"Training Epoch: {step[0]} Training Iteration: {step[1]}"
+    return str(step)
+
+
+def build_logger(args, rank: int):
+    """Rank 0: JSON stream (--json-summary) + stdout; other ranks: a logger without backends."""
+    if rank != 0:
+        return dllogger.Logger(backends=[])
+    Path(args.json_summary).parent.mkdir(parents=True, exist_ok=True)
+    return dllogger.Logger(backends=[
+        dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE, args.json_summary),
+        dllogger.StdOutBackend(dllogger.Verbosity.VERBOSE, step_format=step_format)])
+
+
+@dataclass
+class LogWindow:
+    """Loss and time accumulated since the last log record (the reference's average_loss etc.)."""
+    started: float = field(default_factory=time.perf_counter)
+    local_losses: list = field(default_factory=list)      # this rank's mean loss per optimizer step
+    all_rank_losses: list = field(default_factory=list)   # the same averaged over ranks
+    last_micro_loss: float = float("nan")
+
+    def record(self, result):
+        self.local_losses.append(result.local_loss)
+        self.all_rank_losses.append(result.mean_loss)
+        self.last_micro_loss = result.last_micro_loss
+
+
+@dataclass
+class Run:
+    """What the loop needs besides its state; built once in main."""
+    args: argparse.Namespace
+    engine: object
+    optimizer: object
+    criterion: object
+    device: torch.device
+    logger: object
+    micro_batch: int
+    gas: int
+    world: int
+    seq_len: int
+    model_config: BertConfig
+    say: object
+    epoch_size: int
+
+
+def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
+    """One dllogger record, computed as the reference computes it; returns the record."""
+    steps = len(window.local_losses)
+    step_time = (time.perf_counter() - window.started) / max(steps, 1)
+    record = {"average_loss": sum(window.local_losses) / max(steps, 1),
+              "all_ranks_average_loss": sum(window.all_rank_losses) / max(steps, 1),
+              "step_loss": window.last_micro_loss,
+              "learning_rate": run.optimizer.param_groups[0]["lr"],
+              "average_training_time_step": step_time,
+              "average_perf_per_step": run.micro_batch * run.gas / step_time,
+              "tokens_per_second": run.micro_batch * run.gas * run.world * run.seq_len / step_time,
+              "skipped_steps": state.bad_steps}
+    if final:
+        record = {"final_loss": record["all_ranks_average_loss"],
+                  "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"]}
+    run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step), data=record)
+    return record
+
+
+# ============================================================================ one optimizer step
+
+@dataclass
+class StepResult:
+    local_loss: float        # this rank's mean loss over the step's micro-batches
+    mean_loss: float         # local_loss averaged over ranks
+    last_micro_loss: float
+    finite: bool             # every rank's loss was finite and DeepSpeed did not skip the step
+    stop_requested: bool     # some rank received SIGTERM/SIGINT
+    skipped_shards: tuple    # shards dropped by --skip_bad_shards so far
+
+
+def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
+    """GAS micro-batches: forward, backward, engine.step(); the ranks agree on skip/stop before the update."""
+    engine, losses = run.engine, []
+    skipped_before = engine.skipped_steps
+    for micro in range(run.gas):
+        batch = next(batches)
+        if batch.crosses_epoch:
+            run.say(f"epoch {batch.epoch} ends inside the global micro-batch at sample {batch.position}: "
+                    f"the rest of that micro-batch is the start of epoch {batch.epoch + 1}")
+        input_ids, segment_ids, input_mask, labels, nsp_labels = (t.to(run.device) for t in batch.tensors)
+        scores, nsp_scores = engine(input_ids, token_type_ids=segment_ids, attention_mask=input_mask,
+                                    masked_lm_labels=labels)
+        loss = run.criterion(scores, nsp_scores, labels, nsp_labels)
+        engine.backward(loss)
+        losses.append(loss.detach().float())
+        if micro == run.gas - 1:
+            nonfinite, stop, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(), run.device)
+        with optimizer_step_suppressed(run.optimizer) if micro == run.gas - 1 and nonfinite else nullcontext():
+            engine.step()
+        if profiler is not None:
+            profiler.step()
+    local_loss = float(torch.stack(losses).mean())
+    finite = not nonfinite and engine.skipped_steps == skipped_before
+    return StepResult(local_loss, loss_sum / run.world, float(losses[-1]), finite, stop, batch.skipped_shards)
+
+
+def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device) -> tuple:
+    """One all-reduce per optimizer step: (any rank non-finite, any rank asked to stop, sum of mean losses)."""
+    stats = torch.stack([(~torch.isfinite(losses)).any().float(), torch.tensor(float(stop_local), device=device),
+                         torch.nan_to_num(losses.mean(), nan=0.0, posinf=0.0, neginf=0.0)])
+    dist.all_reduce(stats)
+    nonfinite, stop, loss_sum = stats.tolist()
+    return nonfinite > 0, stop > 0, loss_sum
+
+
+# ============================================================================ the loop
+
+def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
+    """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
+    args, say = run.args, run.say
+    max_steps, log_freq = int(args.max_steps), int(args.log_freq)
+    steps_this_run = args.steps_this_run if args.steps_this_run > 0 else math.inf
+    progress = make_progress_bar(args, state, max_steps)
+    window, last_window, steps_done, last_saved = LogWindow(), LogWindow(), 0, None
+    while state.global_step < max_steps and steps_done < steps_this_run:
+        # ---------------------------------------------------------------- step
+        result = train_step(run, batches, stop_event, profiler)
+        state.global_step += 1
+        steps_done += 1
+        state.samples_consumed += run.micro_batch * run.world * run.gas
+        state.skipped_shards = list(result.skipped_shards)
+        window.record(result)
+        progress.update(1)
+        # ---------------------------------------------------------------- non-finite loss
+        if result.finite:
+            state.bad_steps_in_a_row = 0
+        else:
+            state.bad_steps += 1
+            state.bad_steps_in_a_row += 1
+            say(f"step {state.global_step}: non-finite loss, update skipped ({state.bad_steps_in_a_row} in a row)")
+        # ---------------------------------------------------------------- log, checkpoint
+        if state.global_step % log_freq == 0:
+            log_window(run, state, window)
+            window, last_window = LogWindow(), window
+        if not args.skip_checkpoint and steps_done % args.num_steps_per_checkpoint == 0:
+            last_saved = save(run, state)
+        # ---------------------------------------------------------------- stop early
+        if state.bad_steps_in_a_row >= args.max_bad_steps:
+            if not args.skip_checkpoint and last_saved != checkpoint_tag(args, state):
+                save(run, state)
+            raise TrainingStopped(f"{state.bad_steps_in_a_row} consecutive steps had a non-finite loss "
+                                  f"(--max_bad_steps {args.max_bad_steps}); stopped at step {state.global_step}")
+        if result.stop_requested:
+            say(f"stop requested (SIGTERM/SIGINT): stopping after step {state.global_step}")
+            break
+    progress.close()
+    if not args.skip_checkpoint and steps_done and last_saved != checkpoint_tag(args, state):
+        save(run, state)
+    final = log_window(run, state, window if window.local_losses else last_window, final=True)
+    return {**final, "steps_done": steps_done, "stopped_by_signal": bool(steps_done and result.stop_requested)}
+
+
+def make_progress_bar(args, state: TrainState, max_steps: int):
+    from tqdm import tqdm
+    disable = args.disable_progress_bar or dist.get_rank() != 0
+    return tqdm(total=max_steps, initial=state.global_step, desc="steps", disable=disable, dynamic_ncols=True)
+
+
+@contextmanager
+def stop_requests():
+    """SIGTERM/SIGINT set an event instead of killing the process; the loop checks it at step ends."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event  # signal handlers can only be installed from the main thread
+        return
+    previous = {sig: signal.signal(sig, lambda *_: event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield event
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def build_profiler(args, results_dir: Path):
+    """torch profiler over the micro-steps --profile_steps (inclusive), or None."""
+    if args.profile is None:
+        return None
+    start, end = parse_profile_steps(args.profile_steps)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available() and not args.no_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace_dir = results_dir / "profile"
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=start, warmup=0, active=end - start + 1, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)), with_stack=args.profile == "pt-full")
+
+
+# ============================================================================ main
+
+def main(argv=None) -> dict:
+    """Run the training; returns the summary (the reference's final dllogger record) on every rank."""
+    started = time.perf_counter()
+    args = parse_arguments(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ds_config, model_config, data = validate_args(args, world_size)
+    device = setup_device_and_distributed(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed_everything(args.seed + rank)
+    logger = build_logger(args, rank)
+    say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
+    log_parameters(logger, args, ds_config)
+    engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)
+    state = restore_state(args, engine, optimizer, model_config, say)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    reader = WindowReader(data.shards, args.seed, window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20),
+                                                                         data.seq_len, data.max_pred),
+                          model_config.vocab_size, shuffle=not args.disable_random_sampler,
+                          skip_bad_shards=args.skip_bad_shards, skipped_shards=state.skipped_shards)
+    batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
+    run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
+              data.seq_len, model_config, say, reader.stream.epoch_size)
+    first_step = state.global_step
+    profiler = build_profiler(args, Path(args.json_summary).parent)
+    train_started = time.perf_counter()
+    try:
+        with stop_requests() as stop_event, profiler if profiler is not None else nullcontext():
+            final = train(run, state, batches, stop_event, profiler)
+    finally:
+        batches.close()
+    raw_train_time = time.perf_counter() - train_started
+    sequences = micro * gas * world * (state.global_step - first_step)
+    summary = {"e2e_train_time": time.perf_counter() - started, "training_sequences_per_second": sequences / raw_train_time,
+               "training_tokens_per_second": sequences * data.seq_len / raw_train_time, "raw_train_time": raw_train_time,
+               "final_loss": final["final_loss"], "global_step": state.global_step, "skipped_steps": state.bad_steps,
+               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
+    logger.log(step=(), data=summary)
+    logger.flush()
+    return summary
+
+
+def log_parameters(logger, args, ds_config: dict):
+    logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "train_start": True,
+                                       "batch_size_per_pu": ds_config["train_micro_batch_size_per_gpu"],
+                                       "learning_rate": args.learning_rate, "deepspeed_config": ds_config})
+
+
+def cli() -> int:
+    """Command-line entry: one clear error line and a non-zero exit code instead of a traceback."""
+    try:
+        main()
+        status = 0
+    except (InputError, ShardError, checkpointing.CheckpointError, TrainingStopped) as err:
+        if isinstance(err, InputError) and os.environ.get("RANK", "0") != "0":
+            status = 1  # the same validation fails on every rank: rank 0 reports it
+        else:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            status = 1
+    if dist.is_available() and dist.is_initialized() and status == 0:
+        dist.barrier()  # rare exit-time abort with 2 ranks otherwise (deepspeed_cpu.md, section 0)
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
