@@ -5,7 +5,7 @@
     python data/sample/build_sample.py CACHE
 
 Writes enwiki_sample.xml.bz2 (a few real articles and redirects cut from the enwiki dump
-excerpt that gensim ships as test data) and books/*.txt.gz (Jane Austen novels read from the
+excerpt that gensim ships as test data) and books/*.txt.gz (two Jane Austen novels, in parts of 12 chapters, read from the
 R data file of Debian's r-cran-janeaustenr). Nothing is installed or imported from either.
 """
 import bz2
@@ -26,6 +26,7 @@ ARTICLES = ("AccessibleComputing", "Albedo", "Achilles", "Aristotle", "Actrius",
 AUSTEN_TITLES = ("Emma", "Mansfield Park", "Northanger Abbey", "Persuasion",
                  "Pride and Prejudice", "Sense and Sensibility")
 BOOKS = ("Pride and Prejudice", "Persuasion")
+CHAPTERS_PER_PART = 12  # a sample shard should hold several documents, or every NSP pair is "next"
 
 
 def cut_wiki_dump(dump_xml, titles):
@@ -69,6 +70,19 @@ def read_r_string_vectors(rdb_bytes):
     return vectors
 
 
+def split_into_parts(lines, chapters_per_part):
+    """Group a novel's lines into parts of chapters_per_part chapters (title page in part 1)."""
+    parts, current, chapters = [], [], 0
+    for line in lines:
+        if re.fullmatch(r"(CHAPTER|Chapter) [0-9IVXL]+\.?", line.strip()):
+            chapters += 1
+            if chapters > 1 and chapters % chapters_per_part == 1 and current:
+                parts.append(current)
+                current = []
+        current.append(line)
+    return parts + [current]
+
+
 def main(cache):
     out = Path(__file__).resolve().parent
     wheel = next(cache.glob("gensim-4.4.0-*.whl"))
@@ -82,9 +96,10 @@ def main(cache):
     novels = dict(zip(AUSTEN_TITLES, read_r_string_vectors(rdb.read_bytes())))
     (out / "books").mkdir(exist_ok=True)
     for title in BOOKS:
-        name = title.lower().replace(" ", "_") + ".txt.gz"
-        with gzip.GzipFile(out / "books" / name, "wb", mtime=0) as f:  # mtime 0: reproducible bytes
-            f.write(("\n".join(novels[title]) + "\n").encode("utf-8"))
+        for number, part in enumerate(split_into_parts(novels[title], CHAPTERS_PER_PART), 1):
+            name = f"{title.lower().replace(' ', '_')}_part{number}.txt.gz"
+            with gzip.GzipFile(out / "books" / name, "wb", mtime=0) as f:  # mtime 0: reproducible bytes
+                f.write(("\n".join(part) + "\n").encode("utf-8"))
 
 
 if __name__ == "__main__":

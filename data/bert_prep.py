@@ -1,0 +1,314 @@
+"""One step of the dataset pipeline: download, text_formatting, sharding or create_hdf5_files.
+
+    python data/bert_prep.py --action download --dataset wikicorpus_en
+    python data/bert_prep.py --action text_formatting --dataset wikicorpus_en
+    python data/bert_prep.py --action sharding --dataset books_wiki_en_corpus
+    python data/bert_prep.py --action create_hdf5_files --dataset books_wiki_en_corpus --phase 1
+
+Datasets: wikicorpus_en (English Wikipedia dump), bookscorpus (any folder of plain-text books:
+BookCorpus itself is no longer distributed), books_wiki_en_corpus (both, sharded together).
+Every default can be overridden by an environment variable (names in --help) so that tests and
+the demo can run the same code on the small corpus in data/sample/. Each step writes its output
+under a temporary name and renames it when complete; a rerun skips outputs that already exist.
+"""
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from data import create_pretraining_data, sharding  # noqa: E402
+from data.create_pretraining_data import InputError  # noqa: E402
+
+DATA_DIR = Path(__file__).resolve().parent
+DEFAULT_WIKI_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
+DATASETS = ("wikicorpus_en", "bookscorpus", "books_wiki_en_corpus")
+PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
+ENV_DEFAULTS = {  # option -> (environment variable, default)
+    "working_dir": ("BERT_PREP_WORKING_DIR", str(DATA_DIR)),
+    "wiki_url": ("WIKI_DUMP_URL", DEFAULT_WIKI_URL),
+    "wiki_sha1": ("WIKI_DUMP_SHA1", ""),
+    "books_dir": ("BOOKS_DIR", ""),
+    "vocab_file": ("VOCAB_FILE", str(DATA_DIR / "vocab.txt")),
+    "n_training_shards": ("N_TRAINING_SHARDS", "256"),
+    "n_test_shards": ("N_TEST_SHARDS", "256"),
+    "fraction_test_set": ("FRACTION_TEST_SET", "0.1"),
+    "dupe_factor": ("DUPE_FACTOR", "5"),
+    "random_seed": ("RANDOM_SEED", "12345"),
+    "masked_lm_prob": ("MASKED_LM_PROB", "0.15"),
+    "n_processes": ("N_PROCESSES", str(os.cpu_count() or 1)),
+}
+
+
+def download_file(url, dest):
+    """HTTP(S) or file download into dest, resuming a previous partial download (dest + '.part')."""
+    partial = Path(f"{dest}.part")
+    offset = partial.stat().st_size if partial.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={offset}-"} if offset else {})
+    try:
+        response = urllib.request.urlopen(request, timeout=60)
+    except urllib.error.HTTPError as err:
+        if err.code != 416:  # 416: the partial file is already complete
+            raise InputError(f"download of {url} failed: HTTP {err.code} {err.reason}") from err
+        partial.rename(dest)
+        return
+    except urllib.error.URLError as err:
+        raise InputError(f"download of {url} failed: {err.reason}") from err
+    with response:
+        resumed = getattr(response, "status", None) == 206
+        length = response.headers.get("Content-Length")
+        expected = (offset if resumed else 0) + int(length) if length else None
+        with open(partial, "ab" if resumed else "wb") as out:
+            shutil.copyfileobj(response, out, 1 << 20)
+    if expected is not None and partial.stat().st_size != expected:
+        raise InputError(f"download of {url} is incomplete ({partial.stat().st_size} of {expected} bytes); "
+                         "rerun to resume")
+    partial.rename(dest)
+
+
+def published_sha1(url):
+    """The dump's SHA-1 from the mirror's '<prefix>-sha1sums.txt' next to it, or None if unavailable."""
+    name = url.rsplit("/", 1)[-1]
+    prefix = name.split("-pages-articles")[0]
+    sums_url = f"{url.rsplit('/', 1)[0]}/{prefix}-sha1sums.txt"
+    try:
+        with urllib.request.urlopen(sums_url, timeout=60) as response:
+            listing = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, ValueError, OSError):
+        return None
+    return next((line.split()[0] for line in listing.splitlines() if line.endswith(" " + name)), None)
+
+
+def sha1_of(path):
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download_wiki(options, dest):
+    """Fetch the dump (a URL or a local path) unless already there; verify its SHA-1 when known."""
+    if dest.exists():
+        print(f"download: {dest} exists, skipping", file=sys.stderr)
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    source = options.wiki_url
+    url = source if "://" in source else Path(source).resolve().as_uri()
+    expected = options.wiki_sha1 or published_sha1(url)
+    download_file(url, dest)
+    if expected is None:
+        print("download: the mirror publishes no SHA-1 for this file; only its size was checked", file=sys.stderr)
+    elif sha1_of(dest) != expected:
+        dest.rename(f"{dest}.bad")
+        raise InputError(f"{dest}: SHA-1 mismatch (expected {expected}); moved to {dest}.bad")
+
+
+def book_files(books_dir):
+    """The .txt / .txt.gz files of the books folder (BookCorpus is no longer downloadable)."""
+    if not books_dir:
+        raise InputError("BookCorpus is no longer distributed; set BOOKS_DIR (or --books_dir) to a folder "
+                         "of plain-text books (*.txt or *.txt.gz)")
+    files = sorted(p for p in Path(books_dir).glob("*") if p.name.endswith((".txt", ".txt.gz")))
+    if not files:
+        raise InputError(f"{books_dir}: no *.txt or *.txt.gz books")
+    return files
+
+
+def write_atomically(dest, write_lines):
+    """Call write_lines(file) on a temporary file next to dest, then rename it to dest."""
+    tmp = Path(f"{dest}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            write_lines(out)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run_wikiextractor(dump, extracted, n_processes):
+    """Run WikiExtractor (as a tool: it is AGPL) into extracted/, JSON output, one doc per line."""
+    tmp = Path(f"{extracted}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    command = [sys.executable, "-m", "wikiextractor.WikiExtractor", str(dump), "--json", "-b", "100M",
+               "--processes", str(n_processes), "-q", "-o", str(tmp)]
+    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+        raise InputError(f"WikiExtractor failed on {dump} (unreadable or truncated dump?): {last}")
+    os.replace(tmp, extracted)
+
+
+def format_wiki(dump, extracted, dest, n_processes):
+    """Extract the dump and write one article per line, a blank line after each."""
+    if not dump.exists():
+        raise InputError(f"{dump}: no Wikipedia dump; run --action download first")
+    if not extracted.exists():
+        run_wikiextractor(dump, extracted, n_processes)
+    count = 0
+
+    def write_articles(out):
+        nonlocal count
+        for part in sorted(extracted.glob("*/wiki_*")):
+            with open(part, encoding="utf-8") as f:
+                for line in f:
+                    text = " ".join(filter(None, (p.strip() for p in json.loads(line)["text"].split("\n"))))
+                    if text:
+                        out.write(text + "\n\n")
+                        count += 1
+        if count == 0:
+            raise InputError(f"{dump}: WikiExtractor found no articles")
+
+    write_atomically(dest, write_articles)
+    print(f"text_formatting: {count} articles -> {dest}", file=sys.stderr)
+
+
+def read_book(path):
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return " ".join(line.strip() for line in f if line.strip())
+    except (UnicodeDecodeError, OSError, EOFError) as err:
+        raise InputError(f"{path}: cannot read as UTF-8 text ({err})") from err
+
+
+def format_books(books_dir, dest):
+    """One book per line (its non-empty lines joined by spaces), a blank line after each."""
+    files = book_files(books_dir)
+
+    def write_books(out):
+        for path in files:
+            text = read_book(path)
+            if text:
+                out.write(text + "\n\n")
+
+    write_atomically(dest, write_books)
+    print(f"text_formatting: {len(files)} books -> {dest}", file=sys.stderr)
+
+
+class Layout:
+    """The reference's directory names under the working directory."""
+
+    def __init__(self, options):
+        self.root = Path(options.working_dir)
+        self.options = options
+
+    def wiki_dump(self):
+        return self.root / "download" / "wikicorpus_en" / "wikicorpus_en.xml.bz2"
+
+    def extracted(self):
+        return self.root / "extracted" / "wikicorpus_en"
+
+    def formatted(self, dataset):
+        name = {"wikicorpus_en": "wikicorpus_en_one_article_per_line.txt",
+                "bookscorpus": "bookscorpus_one_book_per_line.txt"}[dataset]
+        return self.root / "formatted_one_article_per_line" / name
+
+    def sharded(self, dataset):
+        o = self.options
+        return (self.root / f"sharded_training_shards_{o.n_training_shards}_test_shards_{o.n_test_shards}"
+                f"_fraction_{o.fraction_test_set}" / dataset)
+
+    def hdf5(self, dataset, phase):
+        o = self.options
+        seq_len, max_pred = PHASES[phase]
+        return (self.root / f"hdf5_lower_case_1_seq_len_{seq_len}_max_pred_{max_pred}_masked_lm_prob_"
+                f"{o.masked_lm_prob}_random_seed_{o.random_seed}_dupe_factor_{o.dupe_factor}" / dataset)
+
+
+def sources(dataset):
+    """The single-corpus datasets a dataset is built from."""
+    return ("bookscorpus", "wikicorpus_en") if dataset == "books_wiki_en_corpus" else (dataset,)
+
+
+def action_download(options, layout):
+    for source in sources(options.dataset):
+        if source == "wikicorpus_en":
+            download_wiki(options, layout.wiki_dump())
+        else:
+            print(f"download: books are read from {options.books_dir or '(unset)'}; "
+                  f"{len(book_files(options.books_dir))} found", file=sys.stderr)
+
+
+def action_text_formatting(options, layout):
+    for source in sources(options.dataset):
+        dest = layout.formatted(source)
+        if dest.exists():
+            print(f"text_formatting: {dest} exists, skipping", file=sys.stderr)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if source == "wikicorpus_en":
+            format_wiki(layout.wiki_dump(), layout.extracted(), dest, options.n_processes)
+        else:
+            format_books(options.books_dir, dest)
+
+
+def action_sharding(options, layout):
+    inputs = [layout.formatted(source) for source in sources(options.dataset)]
+    missing = [str(p) for p in inputs if not p.exists()]
+    if missing:
+        raise InputError(f"no formatted text {', '.join(missing)}; run --action text_formatting first")
+    out_dir = layout.sharded(options.dataset)
+    try:
+        made = sharding.shard_corpus(inputs, out_dir, options.dataset, options.n_training_shards,
+                                     options.n_test_shards, options.fraction_test_set, options.n_processes)
+    except sharding.ShardingError as err:
+        raise InputError(str(err)) from err
+    print(f"sharding: {out_dir} {'written' if made else 'exists, skipping'}", file=sys.stderr)
+
+
+def action_create_hdf5_files(options, layout):
+    shards = layout.sharded(options.dataset)
+    if not shards.exists():
+        raise InputError(f"no text shards in {shards}; run --action sharding first")
+    for phase in options.phase:
+        seq_len, max_pred = PHASES[phase]
+        out_dir = layout.hdf5(options.dataset, phase)
+        print(f"create_hdf5_files: phase {phase} -> {out_dir}", file=sys.stderr)
+        settings = create_pretraining_data.parse_arguments([
+            "--input_file", str(shards), "--output_file", str(out_dir), "--vocab_file", options.vocab_file,
+            "--max_seq_length", str(seq_len), "--max_predictions_per_seq", str(max_pred),
+            "--masked_lm_prob", str(options.masked_lm_prob), "--random_seed", str(options.random_seed),
+            "--dupe_factor", str(options.dupe_factor), "--n_processes", str(options.n_processes)])
+        create_pretraining_data.run(settings)
+
+
+ACTIONS = {"download": action_download, "text_formatting": action_text_formatting,
+           "sharding": action_sharding, "create_hdf5_files": action_create_hdf5_files}
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--action", required=True, choices=ACTIONS)
+    parser.add_argument("--dataset", required=True, choices=DATASETS)
+    parser.add_argument("--phase", type=int, nargs="+", choices=sorted(PHASES), default=sorted(PHASES),
+                        help="create_hdf5_files: 1 = seq 128 / 20 predictions, 2 = seq 512 / 80")
+    types = {"n_training_shards": int, "n_test_shards": int, "fraction_test_set": float, "dupe_factor": int,
+             "random_seed": int, "masked_lm_prob": float, "n_processes": int}
+    for option, (variable, default) in ENV_DEFAULTS.items():
+        parser.add_argument(f"--{option}", type=types.get(option, str), default=os.environ.get(variable, default),
+                            help=f"default: ${variable} or {default!r}")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    options = parse_arguments(argv)
+    try:
+        ACTIONS[options.action](options, Layout(options))
+    except (InputError, OSError) as err:
+        print(f"bert_prep.py --action {options.action}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

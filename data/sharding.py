@@ -1,0 +1,141 @@
+"""Split articles into sentences and spread them over N training and M test text shards.
+
+Input: text files with one article per line (blank lines ignored). Output: <dataset>_training_<i>.txt
+and <dataset>_test_<i>.txt, one sentence per line and a blank line after each article (the input
+format of create_pretraining_data.py).
+
+Sentence splitter: blingfire's text_to_sentences. NLTK's punkt (the reference's choice) needs a
+data download that machines without internet access cannot make; blingfire ships its model inside
+the wheel (MIT), was the fastest splitter measured here (~12 MB/s vs 7 MB/s for an untrained
+punkt) and handles abbreviations such as "Dr." and "D.C.". Its bundled library exists for x86-64
+Linux, Windows and macOS only.
+
+Balancing: the test set receives ``fraction_test`` of all sentences. Articles are assigned
+largest first to the shard that is least full relative to its target (longest-processing-time
+greedy), one pass over the articles, so it always terminates (the reference could loop forever).
+Memory: sentences go to a scratch file in a first pass; only per-article offsets and counts stay
+in memory; the second pass copies each shard's articles out of the scratch file.
+"""
+import heapq
+import multiprocessing
+import os
+import shutil
+from array import array
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+ARTICLES_PER_TASK = 256
+
+
+class ShardingError(ValueError):
+    """Impossible shard counts or no usable text."""
+
+
+def split_sentences(articles):
+    """Sentences (one list per article) of a batch of articles, with blingfire."""
+    import blingfire
+
+    return [[s for s in (x.strip() for x in blingfire.text_to_sentences(article).split("\n")) if s]
+            for article in articles]
+
+
+def read_article_batches(input_files):
+    batch = []
+    for path in input_files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    batch.append(line.strip())
+                    if len(batch) == ARTICLES_PER_TASK:
+                        yield batch
+                        batch = []
+    if batch:
+        yield batch
+
+
+def split_in_windows(pool, batches, window):
+    """Sentences of each article, in order; at most ``window`` batches in flight (Pool.imap would
+    read the whole input ahead of the workers)."""
+    pending = []
+    for batch in batches:
+        pending.append(batch)
+        if len(pending) == window:
+            yield from (article for result in pool.map(split_sentences, pending) for article in result)
+            pending = []
+    yield from (article for result in pool.map(split_sentences, pending) for article in result)
+
+
+def split_to_scratch(input_files, scratch, n_processes):
+    """Write every article's sentences to ``scratch``; return (byte offsets, sentence counts)."""
+    offsets, counts = array("q"), array("q")
+    total_bytes = sum(os.path.getsize(p) for p in input_files)
+    with open(scratch, "wb") as out, multiprocessing.get_context("fork").Pool(n_processes) as pool, \
+            tqdm(total=total_bytes, unit="B", unit_scale=True, desc="sentence split", mininterval=1.0) as bar:
+        for sentences in split_in_windows(pool, read_article_batches(input_files), n_processes * 4):
+            if not sentences:
+                continue
+            offsets.append(out.tell())
+            counts.append(len(sentences))
+            text = "\n".join(sentences) + "\n\n"
+            out.write(text.encode("utf-8"))
+            bar.update(len(text))
+    return np.frombuffer(offsets, dtype=np.int64), np.frombuffer(counts, dtype=np.int64)
+
+
+def assign_articles(counts, n_training, n_test, fraction_test):
+    """Shard index of each article (training shards 0..N-1, test shards N..N+M-1), balanced greedily."""
+    if n_training < 1 or n_test < 0 or (n_test > 0) != (fraction_test > 0) or not 0 <= fraction_test < 1:
+        raise ShardingError("need >= 1 training shard, and test shards exactly when 0 < fraction_test_set < 1")
+    if len(counts) < n_training + n_test:
+        raise ShardingError(f"only {len(counts)} articles for {n_training + n_test} shards; "
+                            "lower the number of shards")
+    total = float(counts.sum())
+    targets = [total * (1 - fraction_test) / n_training] * n_training
+    targets += [total * fraction_test / n_test] * n_test
+    # Heap of (fill ratio, shard); ties go to the lower index, so every shard gets an article early.
+    heap = [(0.0, shard) for shard in range(len(targets))]
+    filled = [0] * len(targets)
+    shard_of = np.empty(len(counts), dtype=np.int64)
+    for article in np.argsort(-counts, kind="stable"):
+        _, shard = heapq.heappop(heap)
+        shard_of[article] = shard
+        filled[shard] += int(counts[article])
+        heapq.heappush(heap, (filled[shard] / targets[shard], shard))
+    return shard_of
+
+
+def write_shards(scratch, offsets, shard_of, names, out_dir):
+    """Copy each shard's articles (in input order) from the scratch file into out_dir/<name>."""
+    ends = np.append(offsets[1:], os.path.getsize(scratch))
+    order = np.lexsort((offsets, shard_of))
+    boundaries = np.searchsorted(shard_of[order], np.arange(len(names) + 1))
+    with open(scratch, "rb") as src:
+        for shard, name in enumerate(tqdm(names, desc="write shards", unit="shard", mininterval=1.0)):
+            with open(out_dir / name, "wb") as out:
+                for article in order[boundaries[shard]:boundaries[shard + 1]]:
+                    src.seek(offsets[article])
+                    out.write(src.read(ends[article] - offsets[article]))
+
+
+def shard_corpus(input_files, out_dir, dataset, n_training, n_test, fraction_test, n_processes):
+    """Build out_dir atomically (a temporary directory renamed at the end); skip if it exists."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        return False
+    tmp = Path(f"{out_dir}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        scratch = tmp / "sentences.scratch"
+        offsets, counts = split_to_scratch(input_files, scratch, n_processes)
+        shard_of = assign_articles(counts, n_training, n_test, fraction_test)
+        names = [f"{dataset}_training_{i}.txt" for i in range(n_training)]
+        names += [f"{dataset}_test_{i}.txt" for i in range(n_test)]
+        write_shards(scratch, offsets, shard_of, names, tmp)
+        scratch.unlink()
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
