@@ -349,7 +349,8 @@ def restore_state(args, engine, optimizer, config: BertConfig, say) -> TrainStat
     if not args.resume_from_checkpoint:
         return fresh
     world, rank = dist.get_world_size(), dist.get_rank()
-    tag = str(args.resume_step) if args.resume_step >= 0 else checkpointing.find_resume_tag(args.output_dir, world)
+    tag = (str(args.resume_step) if args.resume_step >= 0
+           else checkpointing.find_resume_tag(args.output_dir, world, model_config=config.to_dict()))
     if tag is None:
         say(f"no checkpoint in {args.output_dir}: starting from scratch")
         return fresh
@@ -357,7 +358,7 @@ def restore_state(args, engine, optimizer, config: BertConfig, say) -> TrainStat
     client, rank_state = checkpointing.load_checkpoint(engine, args.output_dir, tag, rank)
     if client["model_config"] != config.to_dict():
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
-    checkpointing.restore_rng_state(rank_state)
+    checkpointing.restore_rng_state(rank_state["rng"])
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client.get("skipped_shards", [])), client.get("bad_steps", 0))
     if args.phase2 and state.phase == 1:
@@ -390,7 +391,8 @@ def save(run, state: TrainState) -> str:
                     "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
                     "model_config": run.model_config.to_dict(), "world_size": run.world,
                     "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps}
-    checkpointing.save_checkpoint(run.engine, args.output_dir, tag, client_state, checkpointing.capture_rng_state())
+    checkpointing.save_checkpoint(run.engine, args.output_dir, tag, client_state,
+                                  {"rng": checkpointing.capture_rng_state()})
     if args.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
         checkpointing.prune_checkpoints(args.output_dir, args.keep_last_n_checkpoints)
     run.say(f"saved checkpoint {tag}")
