@@ -22,9 +22,11 @@ checkpoints you (or someone you trust) wrote. Our ``state_<r>.pt`` files are rea
 ``weights_only=True``.
 """
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -393,9 +395,10 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
     if not load_module_only:
         _check_compatible(tag_dir, manifest, _rank_and_world()[1], None)
-    load_path, ds_state = engine.load_checkpoint(
-        str(output_dir), str(tag), load_module_strict=True, load_optimizer_states=load_optimizer_states,
-        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    with _weights_only_loads(engine):
+        load_path, ds_state = engine.load_checkpoint(
+            str(output_dir), str(tag), load_module_strict=True, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no model states file in {tag_dir}")
     client_state = {key: ds_state[key] for key in manifest["client_state_keys"]}
@@ -403,6 +406,39 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
         return client_state, {}
     rank_state = torch.load(tag_dir / rank_state_name(global_rank), map_location="cpu", weights_only=True)
     return client_state, rank_state
+
+
+def _deepspeed_checkpoint_classes() -> list:
+    """The only non-tensor classes DeepSpeed 0.19.8 pickles into its ZeRO-1/2 optimizer files
+    (found with torch.serialization.get_unsafe_globals_in_checkpoint); plain data holders."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _weights_only_loads(engine):
+    """DeepSpeed's TorchCheckpointEngine.load calls torch.load(weights_only=False), i.e. full pickle.
+    Every checkpoint read of engine.load_checkpoint goes through engine.checkpoint_engine.load, so
+    shadowing it on the instance makes those reads weights_only=True, with DeepSpeed's three classes
+    allowed. A file needing anything else is refused with the names of the classes it wants."""
+    checkpoint_engine = engine.checkpoint_engine
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                wanted = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                raise CheckpointError(f"{path}: refusing to unpickle {wanted} (only tensors, plain data and "
+                                      f"DeepSpeed's known checkpoint classes are loaded)") from exc
+
+    checkpoint_engine.load = load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
 
 
 def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:

@@ -376,3 +376,33 @@ def test_read_only_output_dir(two_checkpoints):
         with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*6.*(Read-only|Permission denied)"):
             save(engine, two_checkpoints, 6)
     assert_previous_intact(two_checkpoints)
+
+
+# --------------------------------------------------------------------------- trust
+
+class RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_pickled_code_in_checkpoint_is_refused(two_checkpoints, tmp_path):
+    # A tampered checkpoint (manifest sizes updated too) must not run code on load, although
+    # DeepSpeed itself would read it with torch.load(weights_only=False).
+    marker = tmp_path / "code_ran"
+    path = two_checkpoints / "4" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["payload"] = RunsCodeWhenUnpickled(marker)
+    torch.save(state, path)
+    manifest_path = two_checkpoints / "4" / "complete.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][path.name] = path.stat().st_size
+    manifest_path.write_text(json.dumps(manifest))
+    assert checkpointing.find_resume_tag(two_checkpoints, 1, MODEL_CONFIG) == "4"
+    with pytest.raises(CheckpointError, match=r"refusing to unpickle .*getattr"):
+        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # negative control: plain pickle does run it
+    assert marker.exists()
