@@ -92,7 +92,7 @@ def verify_shard(path, vocab_size, special):
 
 def format_row(name, s):
     masked = max(s.get("masked", 0), 1)
-    return (f"{name:<44} {s.get('sequences', 0):>10} {s.get('tokens', 0):>12} "
+    return (f"{name:<60} {s.get('sequences', 0):>10} {s.get('tokens', 0):>12} "
             f"{s.get('masked', 0) / max(s.get('maskable', 0), 1):>8.4f} {s.get('as_mask', 0) / masked:>7.3f} "
             f"{s.get('kept', 0) / masked:>6.3f} {s.get('random_next', 0) / max(s.get('sequences', 0), 1):>8.3f}")
 
@@ -110,7 +110,7 @@ def main(argv=None):
     except (ShardError, OSError) as err:
         print(f"verify_hdf5.py: error: {err}", file=sys.stderr)
         return 1
-    print(f"{'shard':<44} {'sequences':>10} {'tokens':>12} {'masked':>8} {'[MASK]':>7} {'kept':>6} {'NSP rnd':>8}")
+    print(f"{'shard':<60} {'sequences':>10} {'tokens':>12} {'masked':>8} {'[MASK]':>7} {'kept':>6} {'NSP rnd':>8}")
     totals, bad = {}, 0
     for path in shards:
         try:
