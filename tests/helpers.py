@@ -1,0 +1,141 @@
+"""Shared test helpers: tiny shards, DeepSpeed configs, the driver in-process or under the real launcher.
+
+Used by the driver's and the checkpoint worker's tests. Nothing here touches the network or files
+outside the directories passed in.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from data.shard_format import write_shard  # noqa: E402  (needs the repo root on sys.path)
+
+VENV_BIN = Path(sys.executable).parent
+TINY_MODEL_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
+# The rare exit-time abort of a second rank after a finished run (deepspeed_cpu.md, section 0).
+EXIT_ABORT_MARKER = "terminate called without an active exception"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_synthetic_shards(directory, sizes, seq_len=32, max_pred=5, vocab_size=30522, seed=0,
+                           name="shard_{i}_training.hdf5"):
+    """One shard per entry of `sizes` (samples per shard); returns the shard paths.
+
+    Sample k (counting across shards in file order) has input_ids[:, 1] == 1000 + k, so tests can tell
+    samples apart. Every sample has exactly max_pred masked positions, so each sample weighs the same
+    in the MLM loss (what data-parallel equivalence needs); masked ids are the original tokens, so a
+    model can learn them.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths, uid = [], 1000
+    for i, n in enumerate(sizes):
+        ids = rng.integers(1000, min(vocab_size, 3000), (n, seq_len)).astype(np.int32)
+        ids[:, 1] = np.arange(uid, uid + n)
+        uid += n
+        positions = np.stack([np.sort(rng.choice(np.arange(2, seq_len), max_pred, replace=False))
+                              for _ in range(n)]).astype(np.int32) if n else np.zeros((0, max_pred), np.int32)
+        segments = np.zeros((n, seq_len), np.int8)
+        segments[:, seq_len // 2:] = 1
+        arrays = {"input_ids": ids, "input_mask": np.ones((n, seq_len), np.int8), "segment_ids": segments,
+                  "masked_lm_positions": positions, "masked_lm_ids": np.take_along_axis(ids, positions, 1),
+                  "next_sentence_labels": rng.integers(0, 2, n).astype(np.int8)}
+        path = directory / name.format(i=i)
+        write_shard(path, arrays)
+        paths.append(path)
+    return paths
+
+
+def sample_uid(input_ids) -> list:
+    """The sample numbers written by write_synthetic_shards, from a batch's input_ids."""
+    return [int(x) - 1000 for x in input_ids[:, 1]]
+
+
+def write_ds_config(path, stage=1, bf16=True, micro=4, gas=1, world=1, clipping=1.0, **extra):
+    """A DeepSpeed JSON for the tiny CPU runs; returns its path."""
+    config = {"train_batch_size": micro * gas * world, "train_micro_batch_size_per_gpu": micro,
+              "gradient_accumulation_steps": gas, "bf16": {"enabled": bf16}, "gradient_clipping": clipping,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9, **extra}
+    Path(path).write_text(json.dumps(config, indent=1))
+    return Path(path)
+
+
+def driver_argv(data_dir, output_dir, ds_config, json_summary=None, **flags):
+    """run_pretraining.py arguments for a tiny CPU run; flags=value pairs override (True = bare flag)."""
+    options = {"input_dir": data_dir, "output_dir": output_dir, "config_file": TINY_MODEL_CONFIG,
+               "optimizer": "lans", "learning_rate": 0.01, "max_steps": 4, "warmup_proportion": 0.25,
+               "max_predictions_per_seq": 20, "json-summary": json_summary or Path(output_dir).parent / "dllogger.json",
+               "num_steps_per_checkpoint": 1000, "use_lr_scheduler": True, "disable_progress_bar": True,
+               "no_cuda": True, "deepspeed": True, "deepspeed_config": ds_config}
+    options.update(flags)
+    argv = []
+    for name, value in options.items():
+        if value is False or value is None:
+            continue
+        argv.append(f"--{name}")
+        if value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def launcher_env(**extra) -> dict:
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
+        env.pop(key, None)  # left over from in-process runs of the test session
+    env.update(extra)
+    return env
+
+
+def launch(argv, num_ranks=2, timeout=300, env=None, script="run_pretraining.py", retry_on_exit_abort=True):
+    """Run `deepspeed --num_gpus N --no_local_rank <script> argv` on this machine; returns CompletedProcess.
+
+    Retries once when the only failure is the rare exit-time SIGABRT of a finished rank.
+    """
+    command = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_ranks), "--no_local_rank",
+               "--master_port", str(free_port()), str(REPO_ROOT / script), *map(str, argv)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env or launcher_env(), capture_output=True, text=True,
+                            timeout=timeout)
+    output = result.stdout + result.stderr
+    if result.returncode != 0 and retry_on_exit_abort and EXIT_ABORT_MARKER in output:
+        return launch(argv, num_ranks, timeout, env, script, retry_on_exit_abort=False)
+    return result
+
+
+def run_single_process(argv, timeout=300, env=None):
+    """`python run_pretraining.py argv` in a fresh process (no launcher); returns CompletedProcess."""
+    command = [sys.executable, str(REPO_ROOT / "run_pretraining.py"), *map(str, argv)]
+    return subprocess.run(command, cwd=REPO_ROOT, env=env or launcher_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_dllogger(path) -> list:
+    """The records of a dllogger JSON stream (lines 'DLLL {json}'), in order."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        match = re.match(r"^DLLL (.*)$", line)
+        if match:
+            records.append(json.loads(match.group(1)))
+    return records
+
+
+def step_records(path) -> list:
+    """Per-step LOG records (step = [epoch, global_step]) that carry a step_loss."""
+    return [r for r in read_dllogger(path) if r.get("type") == "LOG" and "step_loss" in r["data"]]

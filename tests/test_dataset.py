@@ -1,0 +1,209 @@
+"""data/dataset.py: the global sample stream, rank slicing, window reads, prefetch, bad shards.
+
+Samples are identified by the number written into input_ids[:, 1] (tests/helpers.py), so coverage is
+checked on what the batches contain, independently of the stream's own bookkeeping.
+"""
+
+from collections import Counter
+
+import h5py
+import numpy as np
+import pytest
+
+import helpers
+from data import dataset
+from data.dataset import RankBatches, WindowReader, masked_lm_labels, scan_shards
+from data.shard_format import ShardError
+
+VOCAB = 30522
+
+
+def make_readers(directory, world, window_size, seed=7, **kwargs):
+    shards, _, _ = scan_shards(directory)
+    return [WindowReader(shards, seed, window_size, VOCAB, **kwargs) for _ in range(world)]
+
+
+def collect(directory, world, micro, global_batches, window_size=7, start=0, seed=7):
+    """uids seen by each rank over `global_batches` global micro-batches, in stream order."""
+    readers = make_readers(directory, world, window_size, seed)
+    iterators = [RankBatches(readers[r], r, world, micro, start) for r in range(world)]
+    per_rank = [[] for _ in range(world)]
+    stream = []
+    try:
+        for _ in range(global_batches):
+            for rank, iterator in enumerate(iterators):
+                uids = helpers.sample_uid(next(iterator).tensors[0])
+                per_rank[rank].append(uids)
+                stream.extend(uids)
+    finally:
+        for iterator in iterators:
+            iterator.close()
+    return per_rank, stream
+
+
+@pytest.mark.parametrize("sizes", [[11, 30, 7], [11, 30, 7, 19]], ids=["3_shards", "4_shards"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_sample_once_per_epoch(tmp_path, sizes, world):
+    helpers.write_synthetic_shards(tmp_path, sizes)
+    total, micro = sum(sizes), 3
+    global_batch = micro * world
+    num_batches = -(-3 * total // global_batch)  # three epochs and a bit: batches straddle epoch ends
+    per_rank, stream = collect(tmp_path, world, micro, num_batches)
+    # Both ranks take the same number of micro-batches, each of the full size.
+    assert all(len(batches) == num_batches for batches in per_rank)
+    assert all(len(b) == micro for batches in per_rank for b in batches)
+    # Cut the stream every `total` samples: each cut is one epoch and holds every sample exactly once.
+    for epoch in range(3):
+        assert Counter(stream[epoch * total:(epoch + 1) * total]) == Counter(range(total))
+    # Epochs are shuffled differently (a fixed order would make this equal).
+    assert stream[:total] != stream[total:2 * total]
+
+
+def test_ranks_take_disjoint_consecutive_slices(tmp_path):
+    helpers.write_synthetic_shards(tmp_path, [13, 20])
+    _, one_rank = collect(tmp_path, world=1, micro=4, global_batches=10)
+    per_rank, _ = collect(tmp_path, world=2, micro=2, global_batches=10)
+    # Global micro-batch g of 2 ranks x 2 = rank 0's 2 samples then rank 1's = 1 rank x 4.
+    interleaved = [uid for g in range(10) for rank in range(2) for uid in per_rank[rank][g]]
+    assert interleaved == one_rank
+
+
+def test_same_seed_same_stream_other_seed_other_stream(tmp_path):
+    helpers.write_synthetic_shards(tmp_path, [9, 14])
+    _, first = collect(tmp_path, 1, 4, 6, seed=3)
+    _, again = collect(tmp_path, 1, 4, 6, seed=3)
+    _, other = collect(tmp_path, 1, 4, 6, seed=4)
+    assert first == again
+    assert first != other
+
+
+def test_start_position_resumes_at_the_next_sample(tmp_path):
+    helpers.write_synthetic_shards(tmp_path, [10, 25, 6])
+    _, whole = collect(tmp_path, 2, 3, 20)
+    _, resumed = collect(tmp_path, 2, 3, 12, start=8 * 6)  # after 8 global micro-batches of 6
+    assert resumed == whole[8 * 6:]
+
+
+def test_window_reads_are_bounded(tmp_path, monkeypatch):
+    """No read is larger than one window, also for a shard much larger than the window."""
+    helpers.write_synthetic_shards(tmp_path, [50, 3])
+    rows_read = []
+    original = dataset._read_piece
+
+    def counting(shard, first, end, vocab_size):
+        rows_read.append(end - first)
+        return original(shard, first, end, vocab_size)
+
+    monkeypatch.setattr(dataset, "_read_piece", counting)
+    _, stream = collect(tmp_path, 1, 2, 27, window_size=5)
+    assert Counter(stream) == Counter(range(53)) + Counter(stream[53:])  # one epoch fully covered
+    assert max(rows_read) <= 5
+    # A window spans a shard boundary (5 does not divide 50 + 3 at every shard order), read as pieces.
+    assert sum(rows_read) >= 53
+
+
+def test_window_size_follows_the_memory_budget():
+    # seq 128, 20 predictions: (3*128 + 2*20 + 1) int64 values = 3400 bytes per sample.
+    assert dataset.window_size_for_budget(3400 * 1000, 128, 20) == 1000
+    assert dataset.window_size_for_budget(10, 128, 20) == 1
+
+
+def test_masked_lm_labels_stop_at_the_first_zero_position():
+    positions = np.array([[1, 3, 0, 2], [2, 4, 5, 6]])
+    ids = np.array([[11, 33, 99, 22], [12, 14, 15, 16]])
+    expected = np.full((2, 8), -1)
+    expected[0, 1], expected[0, 3] = 11, 33          # position 2 comes after the 0 sentinel: ignored
+    expected[1, [2, 4, 5, 6]] = [12, 14, 15, 16]
+    np.testing.assert_array_equal(masked_lm_labels(positions, ids, 8), expected)
+
+
+def test_batch_layout_matches_the_reference(tiny_shards):
+    reader = make_readers(tiny_shards, 1, 8)[0]
+    iterator = RankBatches(reader, 0, 1, 4, 0)
+    try:
+        input_ids, segment_ids, input_mask, labels, nsp = next(iterator).tensors
+    finally:
+        iterator.close()
+    assert [t.shape for t in (input_ids, segment_ids, input_mask, labels)] == [(4, 32)] * 4
+    assert nsp.shape == (4,)
+    assert segment_ids[:, -1].tolist() == [1] * 4 and input_mask.sum().item() == 4 * 32
+    # Labels are the input tokens at exactly 5 masked positions per row (the synthetic shards' rule).
+    masked = labels != -1
+    assert masked.sum(dim=1).tolist() == [5] * 4
+    assert (labels[masked] == input_ids[masked]).all()
+
+
+def test_files_without_training_in_the_name_are_ignored(tiny_shards):
+    shards, seq_len, max_pred = scan_shards(tiny_shards)
+    assert [s.num_samples for s in shards] == [24, 40, 17]
+    assert (seq_len, max_pred) == (32, 5)
+
+
+def test_token_id_beyond_vocab_names_file_and_sample(tmp_path):
+    paths = helpers.write_synthetic_shards(tmp_path, [6, 6])
+    with h5py.File(paths[1], "a") as f:
+        ids = f["input_ids"][...]
+        ids[4, 7] = VOCAB
+        f["input_ids"][...] = ids
+    reader = make_readers(tmp_path, 1, 100, shuffle=False)[0]
+    iterator = RankBatches(reader, 0, 1, 12, 0)
+    with pytest.raises(ShardError, match=rf"{paths[1].name}: sample 4: token id {VOCAB} outside"):
+        next(iterator)
+    iterator.close()
+
+
+def corrupt_data_chunk(path):
+    """Overwrite the first compressed chunk of input_ids with garbage; the header stays valid."""
+    with h5py.File(path, "r") as f:
+        info = f["input_ids"].id.get_chunk_info(0)
+    with open(path, "r+b") as raw:
+        raw.seek(info.byte_offset)
+        raw.write(b"\xff" * info.size)
+
+
+def test_corrupt_shard_mid_epoch_is_an_error_naming_it(tmp_path):
+    paths = helpers.write_synthetic_shards(tmp_path, [8, 8, 8])
+    corrupt_data_chunk(paths[2])
+    scan_shards(tmp_path)  # the header is fine: the damage is only found when the rows are read
+    reader = make_readers(tmp_path, 1, 4, shuffle=False)[0]
+    iterator = RankBatches(reader, 0, 1, 4, 0)
+    next(iterator), next(iterator), next(iterator), next(iterator)  # shards 0 and 1
+    with pytest.raises(ShardError, match=rf"{paths[2].name}: cannot read samples 0..3"):
+        next(iterator)
+    iterator.close()
+
+
+def test_skip_bad_shards_drops_and_counts_the_shard(tmp_path):
+    paths = helpers.write_synthetic_shards(tmp_path, [8, 8, 8])
+    corrupt_data_chunk(paths[1])
+    reader = make_readers(tmp_path, 1, 4, skip_bad_shards=True)[0]
+    iterator = RankBatches(reader, 0, 1, 4, 0)
+    uids = []
+    for _ in range(8):  # 32 samples: more than the 16 left, so every good sample appears
+        batch = next(iterator)
+        uids.extend(helpers.sample_uid(batch.tensors[0]))
+    iterator.close()
+    assert batch.skipped_shards == (str(paths[1]),)
+    assert set(uids) == set(range(8)) | set(range(16, 24))
+
+
+def test_prefetcher_stays_ahead_and_stops(tiny_shards):
+    reader = make_readers(tiny_shards, 1, 8)[0]
+    iterator = RankBatches(reader, 0, 1, 4, 0, prefetch=3)
+    first = next(iterator)
+    # The background thread fills the queue without being asked.
+    for _ in range(100):
+        if iterator._queue.full():
+            break
+        iterator._thread.join(timeout=0.05)
+    assert iterator._queue.full()
+    assert [first.position, next(iterator).position] == [0, 4]
+    iterator.close()
+    assert not iterator._thread.is_alive()
+
+
+def test_dataset_smaller_than_one_global_micro_batch(tmp_path):
+    helpers.write_synthetic_shards(tmp_path, [3, 2])
+    reader = make_readers(tmp_path, 1, 8)[0]
+    with pytest.raises(ShardError, match="fewer than one global micro-batch"):
+        RankBatches(reader, 0, 2, 4, 0)
