@@ -82,12 +82,15 @@ def read_document_blocks(path, block_chars):
 
     Raises InputError for binary, non-UTF-8 or text-free input.
     """
+    with open(path, "rb") as f:
+        if b"\0" in f.read(1 << 16):
+            raise InputError(f"{path}: binary data (NUL bytes), not text")
     documents, current, size, seen_text = [], [], 0, False
     try:
         with open(path, encoding="utf-8", errors="strict") as f:
             for line_number, line in enumerate(f, 1):
                 if "\0" in line:
-                    raise InputError(f"{path}: binary data (NUL byte) on line {line_number}")
+                    raise InputError(f"{path}: binary data (NUL byte) on line {line_number}, not text")
                 line = line.strip()
                 if line:
                     current.append(line)
@@ -100,7 +103,7 @@ def read_document_blocks(path, block_chars):
                     yield documents
                     documents, size, seen_text = [], 0, True
     except UnicodeDecodeError as err:
-        raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start} of a read block)") from err
+        raise InputError(f"{path}: not UTF-8 text ({err.reason})") from err
     if current:
         documents.append(current)
     if documents:
@@ -283,7 +286,7 @@ def create_shard(input_paths, output_path, settings, show_progress=False):
     total_chars = sum(os.path.getsize(path) for path in input_paths)
     with ShardWriter(output_path, settings.max_seq_length, settings.max_predictions_per_seq) as writer, \
             tqdm(total=total_chars, unit="B", unit_scale=True, desc=Path(output_path).name,
-                 disable=not show_progress, mininterval=1.0) as progress:
+                 disable=None if show_progress else True, mininterval=1.0) as progress:
         for path in input_paths:
             for documents in read_document_blocks(path, settings.block_chars):
                 flat, boundaries = tokenize_documents(tokenizer, documents)
@@ -387,7 +390,8 @@ def run(settings):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
     tasks = [(job, settings, workers <= 1) for job in todo]
     total = 0
-    with tqdm(total=len(tasks), unit="shard", desc="shards", disable=len(tasks) < 2) as progress:
+    # disable=None: progress bars on terminals only, not in logs
+    with tqdm(total=len(tasks), unit="shard", desc="shards", disable=None if len(tasks) > 1 else True) as progress:
         if workers > 1:
             with multiprocessing.get_context("fork").Pool(workers) as pool:
                 for _, count in pool.imap_unordered(_run_job, tasks):

@@ -72,7 +72,8 @@ def split_to_scratch(input_files, scratch, n_processes):
     offsets, counts = array("q"), array("q")
     total_bytes = sum(os.path.getsize(p) for p in input_files)
     with open(scratch, "wb") as out, multiprocessing.get_context("fork").Pool(n_processes) as pool, \
-            tqdm(total=total_bytes, unit="B", unit_scale=True, desc="sentence split", mininterval=1.0) as bar:
+            tqdm(total=total_bytes, unit="B", unit_scale=True, desc="sentence split", mininterval=1.0,
+                 disable=None) as bar:  # disable=None: bars on terminals only
         for sentences in split_in_windows(pool, read_article_batches(input_files), n_processes * 4):
             if not sentences:
                 continue
@@ -112,7 +113,7 @@ def write_shards(scratch, offsets, shard_of, names, out_dir):
     order = np.lexsort((offsets, shard_of))
     boundaries = np.searchsorted(shard_of[order], np.arange(len(names) + 1))
     with open(scratch, "rb") as src:
-        for shard, name in enumerate(tqdm(names, desc="write shards", unit="shard", mininterval=1.0)):
+        for shard, name in enumerate(tqdm(names, desc="write shards", unit="shard", disable=None)):
             with open(out_dir / name, "wb") as out:
                 for article in order[boundaries[shard]:boundaries[shard + 1]]:
                     src.seek(offsets[article])

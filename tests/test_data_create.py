@@ -1,0 +1,283 @@
+"""data/create_pretraining_data.py, checked against the HDF5 files and the input text read back.
+
+Independent references: transformers' pure-Python BERT tokenizer (BasicTokenizer + WordPiece),
+a literal token-by-token truncation loop, and Python's round() for the number of predictions.
+"""
+import gzip
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import blingfire
+import h5py
+import numpy as np
+import pytest
+
+from data.create_pretraining_data import load_tokenizer, truncate_pairs
+from data.shard_format import SHARD_KEYS
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "data" / "create_pretraining_data.py"
+VOCAB = REPO / "data" / "vocab.txt"
+BOOKS = REPO / "data" / "sample" / "books"
+SEQ_LEN, MAX_PRED = 128, 20
+
+
+def legacy_tokenizer(lower_case=True):
+    from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
+
+    return BertTokenizerLegacy(str(VOCAB), do_lower_case=lower_case)
+
+
+def book_documents(names):
+    """Documents of sentence lines from sample book parts (one document per part)."""
+    documents = []
+    for name in names:
+        text = gzip.open(BOOKS / name, "rt", encoding="utf-8").read()
+        paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
+        documents.append([s for p in paragraphs for s in blingfire.text_to_sentences(p).split("\n") if s.strip()])
+    return documents
+
+
+def write_corpus(path, documents):
+    path.write_text("".join("\n".join(doc) + "\n\n" for doc in documents), encoding="utf-8")
+
+
+def run_script(*args, check=True):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--vocab_file", str(VOCAB), *map(str, args)],
+                            capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def read_shard(path):
+    with h5py.File(path, "r") as f:
+        return {key: f[key][:] for key in SHARD_KEYS}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    documents = book_documents(["persuasion_part1.txt.gz", "pride_and_prejudice_part1.txt.gz",
+                                "pride_and_prejudice_part6.txt.gz"])
+    documents.append(["A very short document.", "It has two sentences."])
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    write_corpus(path, documents)
+    return path, documents
+
+
+@pytest.fixture(scope="module")
+def shard(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "shard_a.hdf5"
+    run_script("--input_file", corpus[0], "--output_file", out, "--dupe_factor", 3, "--n_processes", 1)
+    return read_shard(out)
+
+
+def test_tokenization_matches_bert_basic_and_wordpiece(corpus):
+    lines = [line for doc in corpus[1] for line in doc][:1500]
+    lines += ["Naïve CAFÉ in 東京 costs ½ €; e-mail: a.b@c.org", "x" * 150 + " ok",
+              "\u00adsoft\u200b zero-width\x07"]
+    for lower_case in (True, False):
+        ours, _, _ = load_tokenizer(VOCAB, lower_case)
+        reference = legacy_tokenizer(lower_case)
+        for line in lines:
+            expected = reference.convert_tokens_to_ids(reference.tokenize(line))
+            assert ours.encode(line, add_special_tokens=False).ids == expected, line
+
+
+def test_truncation_matches_the_token_by_token_loop():
+    rng = np.random.default_rng(1)
+    cases = [(a, b, m) for a in range(1, 25) for b in range(1, 25) for m in (3, 9, 20, 30)]
+    specs = np.array([(0, a, 0, b, 0) for a, b, _ in cases], dtype=np.int64)
+    for (a, b, max_tokens), spec in zip(cases, specs):
+        truncate_pairs(spec[None, :].copy(), max_tokens, rng)  # shape check only
+        one = spec[None, :].copy()
+        truncate_pairs(one, max_tokens, rng)
+        while a + b > max_tokens:
+            if a > b:
+                a -= 1
+            else:
+                b -= 1
+        assert (one[0, 1], one[0, 3]) == (a, b)
+        assert 0 <= one[0, 0] <= (spec[1] - a) and 0 <= one[0, 2] <= (spec[3] - b)
+
+
+def restore_originals(data):
+    """input_ids with the masked positions set back to their labels."""
+    ids = data["input_ids"].astype(np.int64).copy()
+    used = data["masked_lm_positions"] != 0
+    rows = np.nonzero(used)[0]
+    ids[rows, data["masked_lm_positions"][used]] = data["masked_lm_ids"][used]
+    return ids, used
+
+
+def test_masking_counts_shares_and_special_tokens(shard):
+    ids, used = restore_originals(shard)
+    length = shard["input_mask"].sum(axis=1)
+    expected_count = [min(MAX_PRED, max(1, round(n * 0.15))) for n in length.tolist()]
+    assert used.sum(axis=1).tolist() == expected_count
+    assert 0.14 < used.sum() / (length - 3).sum() < 0.16
+    for row in range(len(ids)):
+        sep = np.nonzero(ids[row] == 102)[0]
+        boundary = np.argmax(shard["segment_ids"][row])
+        assert sep.tolist() == [boundary - 1, length[row] - 1]  # [SEP] exactly where the segments end
+        assert ids[row, 0] == 101 and 101 not in ids[row, 1:] and not ids[row, length[row]:].any()
+        assert shard["segment_ids"][row].tolist() == [0] * boundary + [1] * (length[row] - boundary) + \
+            [0] * (SEQ_LEN - length[row])
+        positions = shard["masked_lm_positions"][row][used[row]]
+        assert list(positions) == sorted(set(positions.tolist()))
+        assert not set(positions.tolist()) & {0, boundary - 1, length[row] - 1}
+        assert positions.max() < length[row]
+    shown = shard["input_ids"][np.nonzero(used)[0], shard["masked_lm_positions"][used]]
+    labels = shard["masked_lm_ids"][used]
+    as_mask, kept = np.mean(shown == 103), np.mean(shown == labels)
+    assert abs(as_mask - 0.8) < 0.02 and abs(kept - 0.1) < 0.02
+    random_ids = shown[(shown != 103) & (shown != labels)]
+    assert abs(len(random_ids) / len(shown) - 0.1) < 0.02
+    assert (random_ids < 999).any()  # drawn from the whole vocabulary, [unused*] included
+
+
+def token_streams(documents):
+    reference = legacy_tokenizer()
+    streams = []
+    for doc in documents:
+        ids = [i for line in doc for i in reference.convert_tokens_to_ids(reference.tokenize(line))]
+        streams.append(np.array(ids, dtype=np.int32).tobytes())
+    return streams
+
+
+def find_tokens(streams, tokens):
+    """{document index: token offsets} where ``tokens`` occurs contiguously."""
+    needle = np.array(tokens, dtype=np.int32).tobytes()
+    found = {}
+    for index, stream in enumerate(streams):
+        start = stream.find(needle)
+        while start != -1:
+            if start % 4 == 0:
+                found.setdefault(index, []).append(start // 4)
+            start = stream.find(needle, start + 1)
+    return found
+
+
+def follows(a_at, b_at, a_len):
+    """B starts after A ends, at most the truncated tokens later, in the same document."""
+    return any(0 <= q - (p + a_len) <= SEQ_LEN for doc in a_at.keys() & b_at.keys()
+               for p in a_at[doc] for q in b_at[doc])
+
+
+def test_sentence_pairs_come_from_the_text(shard, corpus):
+    streams = token_streams(corpus[1])
+    ids, _ = restore_originals(shard)
+    labels = shard["next_sentence_labels"]
+    assert 0.45 < labels.mean() < 0.6
+    checked = {0: 0, 1: 0}
+    for row in range(0, len(ids), 5):
+        length = shard["input_mask"][row].sum()
+        boundary = np.argmax(shard["segment_ids"][row])
+        a, b = ids[row, 1:boundary - 1].tolist(), ids[row, boundary:length - 1].tolist()
+        a_at, b_at = find_tokens(streams, a), find_tokens(streams, b)
+        assert a_at and b_at
+        if min(len(a), len(b)) >= 8:  # long enough to be unique in the corpus
+            assert follows(a_at, b_at, len(a)) == (labels[row] == 0)
+            assert (a_at.keys() == b_at.keys()) == (labels[row] == 0)
+            checked[int(labels[row])] += 1
+    assert min(checked.values()) >= 20
+
+
+def test_same_seed_same_arrays_other_shard_other_masks(corpus, shard, tmp_path):
+    run_script("--input_file", corpus[0], "--output_file", tmp_path / "shard_a.hdf5", "--dupe_factor", 3)
+    again = read_shard(tmp_path / "shard_a.hdf5")
+    for key in SHARD_KEYS:
+        np.testing.assert_array_equal(again[key], shard[key])
+    run_script("--input_file", corpus[0], "--output_file", tmp_path / "shard_b.hdf5", "--dupe_factor", 3)
+    other = read_shard(tmp_path / "shard_b.hdf5")
+    assert not np.array_equal(other["masked_lm_positions"][:50], shard["masked_lm_positions"][:50])
+
+
+def test_directory_input_gives_one_shard_per_file_and_rerun_skips(corpus, tmp_path):
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    documents = corpus[1]
+    write_corpus(text_dir / "c_training_0.txt", documents[:2])
+    write_corpus(text_dir / "c_training_1.txt", documents[2:])
+    out = tmp_path / "hdf5"
+    run_script("--input_file", text_dir, "--output_file", out, "--dupe_factor", 1, "--n_processes", 2)
+    assert sorted(p.name for p in out.iterdir()) == ["c_training_0.hdf5", "c_training_1.hdf5"]
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    result = run_script("--input_file", text_dir, "--output_file", out, "--dupe_factor", 1)
+    assert "skipping 2 existing shard(s)" in result.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_sigkill_while_writing_then_rerun_equals_uninterrupted_run(tmp_path):
+    documents = book_documents(sorted(p.name for p in BOOKS.glob("*.txt.gz")))
+    write_corpus(tmp_path / "big.txt", documents)
+    args = ["--input_file", tmp_path / "big.txt", "--dupe_factor", 5, "--block_chars", 20000]
+    killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
+    killed_dir.mkdir()
+    process = subprocess.Popen([sys.executable, str(SCRIPT), "--vocab_file", str(VOCAB), *map(str, args),
+                                "--output_file", str(killed_dir / "s.hdf5")], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size > 100_000 for p in killed_dir.glob(".s.hdf5.*.tmp")):
+        assert process.poll() is None and time.monotonic() < deadline, "writer finished before it was killed"
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (killed_dir / "s.hdf5").exists()
+    run_script(*args, "--output_file", killed_dir / "s.hdf5")
+    run_script(*args, "--output_file", clean_dir / "s.hdf5")
+    assert [p.name for p in killed_dir.iterdir()] == ["s.hdf5"]  # the stale temporary file is gone
+    rerun, clean = read_shard(killed_dir / "s.hdf5"), read_shard(clean_dir / "s.hdf5")
+    for key in SHARD_KEYS:
+        np.testing.assert_array_equal(rerun[key], clean[key])
+
+
+@pytest.mark.parametrize("name, content, vocab, message", [
+    ("missing vocab", b"Some text.\n", "missing", "vocab file not found"),
+    ("empty input", b"\n\n  \n", None, "no text (empty input)"),
+    ("binary input", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", None, "binary data (NUL bytes)"),
+    ("non-UTF-8 input", "Café au lait.\n".encode("latin-1"), None, "not UTF-8 text"),
+    ("unwritable output", b"Some text.\n", None, "error:"),
+    ("missing input", None, None, "input not found"),
+])
+def test_bad_input_one_error_line_nonzero_exit_no_shard(tmp_path, name, content, vocab, message):
+    source = tmp_path / "in.txt"
+    if content is not None:
+        source.write_bytes(content)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    output = out_dir / "s.hdf5"
+    if name == "unwritable output":
+        (out_dir / "file").write_text("")
+        output = out_dir / "file" / "s.hdf5"  # a path below a regular file
+    command = [sys.executable, str(SCRIPT), "--input_file", str(source), "--output_file", str(output),
+               "--vocab_file", str(tmp_path / "missing.txt" if vocab else VOCAB)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("create_pretraining_data.py: error:") and message in lines[0]
+    assert not [p for p in out_dir.rglob("*") if p.name != "file"]
+
+
+def test_no_lower_case_keeps_case(tmp_path):
+    text = "Hello World.\nAnother Line Here.\n\nSecond Document.\nMore Text.\n"
+    (tmp_path / "in.txt").write_text(text)
+    seen = {}
+    for flag in ("--do_lower_case", "--no_lower_case"):
+        run_script("--input_file", tmp_path / "in.txt", "--output_file", tmp_path / f"{flag}.hdf5", flag,
+                   "--dupe_factor", 1, "--max_seq_length", 16, "--max_predictions_per_seq", 2)
+        ids, _ = restore_originals(read_shard(tmp_path / f"{flag}.hdf5"))
+        seen[flag] = set(ids.ravel().tolist()) - {0, 101, 102}
+    lower, cased = (set(legacy_tokenizer(lower).convert_tokens_to_ids(legacy_tokenizer(lower).tokenize(text)))
+                    for lower in (True, False))
+    assert seen["--do_lower_case"] <= lower and seen["--no_lower_case"] <= cased
+    assert 100 in seen["--no_lower_case"] and 100 not in seen["--do_lower_case"]  # capitals: [UNK] in this vocab
+
+
+def test_flags_are_validated():
+    result = run_script("--input_file", "x", "--output_file", "y.hdf5", "--max_predictions_per_seq", 200, check=False)
+    assert result.returncode == 2 and re.search(r"max_predictions_per_seq", result.stderr)
