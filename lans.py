@@ -31,6 +31,10 @@ Blocks: with plain PyTorch (or DeepSpeed ZeRO stage 0) a block is one parameter 
 paper. Under DeepSpeed ZeRO stage 1/2 the optimizer only ever sees one flat fp32 partition per
 parameter group per rank, so the "blocks" (and all the norms above) are those partitions, exactly as
 in the reference. LANS does nothing special for that case; it works on whatever tensors it holds.
+DeepSpeed 0.19.8's ZeRO-1/2 also call ``step()`` once per group with ``param_groups`` narrowed to
+that group, so ``max_grad_norm`` then clips per group and per rank; use DeepSpeed's
+``gradient_clipping`` for a true global clip (the reference sets ``max_grad_norm=0`` and does so).
+Unlike the reference, the per-block diagnostics (weight/adam/c norms) are not kept in the state.
 
 Precision: the moments and all the arithmetic are float32 for bf16/fp16 parameters (float64 for
 float64 ones); the result is written back to the parameter in its own dtype.
@@ -112,7 +116,7 @@ class GroupTensors:
 
 
 class AdaptiveMomentOptimizer(torch.optim.Optimizer):
-    """Shared machinery of LANS and NVLAMB: Adam moments kept in float32, an int ``group['step']``,
+    """Shared machinery of LANS and NVLAMB: Adam moments in (at least) float32, an int ``group['step']``,
     optional global gradient-norm clipping, and ``zero_grad`` honouring ``set_grad_none``.
 
     Subclasses implement :meth:`update_group` (the per-group math, after ``group['step']`` has been
@@ -129,7 +133,8 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
         if defaults["weight_decay"] < 0.0:
             raise ValueError(f"invalid weight_decay {defaults['weight_decay']}: must be >= 0")
         if defaults["max_grad_norm"] < 0.0:
-            raise ValueError(f"invalid max_grad_norm {defaults['max_grad_norm']}: must be >= 0 (0 disables)")
+            raise ValueError(f"invalid max_grad_norm {defaults['max_grad_norm']}: "
+                             "must be >= 0 (0 disables)")
         super().__init__(params, {**defaults, "step": 0})
 
     def update_group(self, group, tensors):
