@@ -1,7 +1,8 @@
 """Parameter groups and the optimizer factory behind ``--optimizer``; NVLAMB.
 
 ``build_optimizer`` instantiates the optimizers as the Habana deepspeed-bert reference does:
-- ``lans``:   LANS(eps=1e-6, max_grad_norm=0.0); clipping, if any, is DeepSpeed's ``gradient_clipping``.
+- ``lans``:   LANS(eps=1e-6, max_grad_norm=0.0); clipping, if any, is DeepSpeed's
+  ``gradient_clipping``.
 - ``nvlamb``: NVLAMB below (its own global-norm clipping at 1.0, eps=1e-6).
 - ``adam`` / ``adamw``: torch.optim.Adam / AdamW with torch's defaults apart from lr and betas.
 """
@@ -68,7 +69,8 @@ class NVLAMB(AdaptiveMomentOptimizer):
         w      <- w - lr * ratio * u
 
     bc1, bc2 follow the same ``bias_correction``/``adjust_step`` rule as LANS. Blocks are tensors,
-    or flat partitions under DeepSpeed ZeRO-1/2 (see lans.py).
+    or flat partitions under DeepSpeed ZeRO-1/2; there G is also per group and per rank, because
+    DeepSpeed steps the optimizer one group at a time (see lans.py).
     """
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
