@@ -7,6 +7,7 @@ lans.py. A mutant of it (beta weights swapped) must disagree, so the comparison 
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -270,10 +271,15 @@ DEEPSPEED_SCRIPT = textwrap.dedent("""
 """)
 
 
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_lans_with_poly_scheduler_under_deepspeed_zero1(tmp_path):
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29500 + os.getpid() % 1000), "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", DEEPSPEED_SCRIPT, str(REPO)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
