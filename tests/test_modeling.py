@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import modeling
@@ -282,6 +281,21 @@ def test_activation_checkpointing_gives_the_same_gradients(pre_ln, dropout, inte
     calls.clear()
     loss_and_grads(model, batch, seed=1)
     assert not calls
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_deepspeed_checkpoint_function_gives_the_same_gradients(pre_ln):
+    """The driver passes DeepSpeed's checkpoint; the chunk carries (x, r) through it, with r = x in post-LN."""
+    deepspeed = pytest.importorskip("deepspeed")
+    config = small_config(layer_norm_large_model=pre_ln, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = perturbed_model(config).train()
+    batch = make_batch(config)
+    plain_loss, plain_grads = loss_and_grads(model, batch, seed=3)
+    model.checkpoint_activations(True, 2, deepspeed.checkpointing.checkpoint)
+    checkpointed_loss, checkpointed_grads = loss_and_grads(model, batch, seed=3)
+    torch.testing.assert_close(checkpointed_loss, plain_loss, atol=0, rtol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, atol=1e-7, rtol=1e-6, msg=name)
 
 
 def test_default_checkpoint_function_and_bad_interval():
