@@ -231,10 +231,10 @@ class BertLayer(nn.Module):
         self.output = BertOutput(config)
 
     def forward(self, hidden_states, residual, attention_mask):
-        summed, normed = self.attention(hidden_states, residual, attention_mask)
-        if not self.pre_layer_norm:
-            summed = normed
-        summed, normed = self.output(self.intermediate(normed), summed)
+        summed, normed = self.attention(hidden_states, residual, attention_mask)  # a = r + attn(x); u = LN(a)
+        # Pre-LN keeps the raw sum as its residual stream; post-LN continues from the normalised sum.
+        residual = summed if self.pre_layer_norm else normed
+        summed, normed = self.output(self.intermediate(normed), residual)  # r = a + ffn(u); x = LN(r)
         return normed, (summed if self.pre_layer_norm else normed)
 
 
