@@ -13,6 +13,8 @@ Two layer wirings, chosen by `BertConfig.layer_norm_large_model`:
   and the last layer's output LayerNorm acts as the final LayerNorm.
 
 Shapes: B batch, S sequence length, h hidden size, H heads, d = h / H, V padded vocabulary size.
+
+Parameter counts without allocating anything:  python modeling.py --count scripts/bert_1.5b_config.json
 """
 
 import argparse

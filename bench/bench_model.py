@@ -4,6 +4,7 @@ Ours runs the pretraining path (sparse MLM head: transform and decoder only at t
 masked_lm_labels with ~15% of the positions masked, at most 20 per sequence); transformers runs its full head
 over every position, as the reference does. Same config, same weights, same batch, both in training mode,
 in float32 and under bfloat16 autocast. Prints ms per step and the ratio HF / ours. No assertions.
+transformers only has the post-LN wiring: with a pre-LN config the cost is comparable, the function is not.
 
     python bench/bench_model.py                       # BERT-Large shapes, 2 layers, batch 4 x 128
     python bench/bench_model.py --config scripts/bert_tiny_config.json --batch 32 --steps 10
