@@ -1,0 +1,274 @@
+"""Sample-exact resume of run_pretraining.py, end to end, with the real DeepSpeed (CPU, gloo).
+
+The check is always the same: an uninterrupted run of N steps against a run that is stopped (cleanly,
+by SIGKILL, or by SIGTERM preemption) and resumed until N. The per-step losses (dllogger JSON) and
+every tensor of the final checkpoint (weights, optimizer state, scheduler, RNG states) must be
+bit-identical. Interruptions sit inside a shard and right before an epoch boundary, so the resumed
+run has to find its place in the shuffled sample stream.
+
+This file is also the program that the kill tests launch instead of run_pretraining.py:
+``python tests/test_resume.py <driver args>`` with FAULT_KILL=<event>:<n>[:<rank>] in the environment
+SIGKILLs the process at the n-th <event> (see KILL_EVENTS), then runs the driver unchanged.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers  # noqa: E402  (puts the repo root on sys.path)
+
+THIS_FILE = Path(__file__).resolve()
+KILL_ENV = "FAULT_KILL"
+# Synthetic shards: 24 + 40 + 17 = 81 samples per epoch; shard boundaries (in any shard order) fall
+# on sample 17, 24, 40, 41, 57 or 64, so the stops below at samples 12 and 16 are inside a shard.
+SHARD_SIZES = (24, 40, 17)
+EPOCH_SAMPLES = sum(SHARD_SIZES)
+MICRO = 4
+
+
+# ============================================================================ kill injection (child side)
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_before(function, should_die):
+    def wrapper(*args, **kwargs):
+        if should_die():
+            _die()
+        return function(*args, **kwargs)
+    return wrapper
+
+
+def _kill_after(function, should_die):
+    def wrapper(*args, **kwargs):
+        result = function(*args, **kwargs)
+        if should_die():
+            _die()
+        return result
+    return wrapper
+
+
+def _torn_save(function, should_die):
+    """torch.save that, at the chosen call, leaves half a file behind before dying (a torn write)."""
+    def wrapper(obj, f, *args, **kwargs):
+        if not should_die():
+            return function(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            function(obj, f, *args, **kwargs)
+            os.truncate(f, os.path.getsize(f) // 2)
+        else:
+            f.write(b"torn")
+            f.flush()
+        _die()
+    return wrapper
+
+
+# event -> (module, attribute, how): where the process is killed.
+KILL_EVENTS = {
+    "backward": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _kill_before),  # mid step
+    "step": ("deepspeed.runtime.engine", "DeepSpeedEngine.step", _kill_after),  # update done, not saved
+    "torch_save": ("torch", "save", _torn_save),  # inside a checkpoint save: a file half written
+    "replace": ("os", "replace", _kill_before),  # inside a save: rank file, manifest or `latest` not renamed
+}
+
+
+def install_kill(spec: str, rank: int) -> None:
+    """spec = "<event>:<n>" or "<event>:<n>:<rank>": SIGKILL this process at the n-th event."""
+    event, count, *target_rank = spec.split(":")
+    if target_rank and int(target_rank[0]) != rank:
+        return
+    module_name, attribute, how = KILL_EVENTS[event]
+    calls = [0]
+
+    def should_die():
+        calls[0] += 1
+        return calls[0] == int(count)
+
+    owner = __import__(module_name, fromlist=["_"])
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, name, how(getattr(owner, name), should_die))
+
+
+# ============================================================================ running the driver (test side)
+
+def ds_config(tmp_path, stage, bf16, world):
+    return helpers.write_ds_config(tmp_path / f"ds_{stage}_{bf16}_{world}.json", stage=stage, bf16=bf16,
+                                   micro=MICRO, world=world, clipping=1.0)
+
+
+def driver_args(data_dir, out, config, json_path, max_steps, **flags):
+    flags.setdefault("num_steps_per_checkpoint", 1000)
+    return helpers.driver_argv(data_dir, out, config, json_summary=json_path, max_steps=max_steps, log_freq=1,
+                               resume_from_checkpoint=True, **flags)
+
+
+def start(argv, world, kill=None, **popen_kwargs) -> subprocess.Popen:
+    """The driver (through this file's kill wrapper) in a new process group: `python` for one rank,
+    the real `deepspeed` launcher for several."""
+    env = helpers.launcher_env(PYTHONUNBUFFERED="1", **({KILL_ENV: kill} if kill else {}))
+    if world == 1:
+        command = [sys.executable, str(THIS_FILE), *map(str, argv)]
+    else:
+        command = [str(helpers.VENV_BIN / "deepspeed"), "--num_gpus", str(world), "--no_local_rank",
+                   "--master_port", str(helpers.free_port()), str(THIS_FILE), *map(str, argv)]
+    return subprocess.Popen(command, cwd=helpers.REPO_ROOT, env=env, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen_kwargs)
+
+
+def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"driver did not finish within {timeout} s:\n{output[-3000:]}")
+    return process.returncode, output
+
+
+def run(argv, world, kill=None, expect=0) -> str:
+    """Run to the end; a SIGKILL'd run must die by that kill (one rank: -9; launcher: non-zero)."""
+    status, output = finish(start(argv, world, kill))
+    if kill is None:
+        assert status == expect, output[-4000:]
+    else:
+        assert status == -signal.SIGKILL if world == 1 else status != 0, output[-4000:]
+    return output
+
+
+STEP_LOSS = re.compile(r"Training Iteration: (\d+) .*?\bstep_loss : (\S+)")
+
+
+def step_losses(*outputs) -> dict:
+    """{global step: step_loss} from the rank-0 dllogger stdout lines of several runs (stdout, not the
+    JSON file: a SIGKILL'd run loses its buffered JSON, while unbuffered stdout keeps every line).
+    A step logged twice (re-done after a kill) must have the same loss both times."""
+    losses = {}
+    for output in outputs:
+        for step, loss in STEP_LOSS.findall(output):
+            assert losses.setdefault(int(step), float(loss)) == float(loss), f"step {step}: two losses"
+    return losses
+
+
+def tree_differences(a, b, where="") -> list:
+    """Paths at which two loaded checkpoint objects differ (tensors bitwise, dtype and shape included)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [d for key in a for d in tree_differences(a[key], b[key], f"{where}/{key}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in tree_differences(x, y, f"{where}[{i}]")]
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [where]
+    if type(a) is not type(b):
+        return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
+    if hasattr(a, "__dict__") and not isinstance(a, type):  # e.g. DeepSpeed's LossScaler: no __eq__
+        return tree_differences(vars(a), vars(b), where)
+    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
+
+
+def checkpoint_differences(tag_dir_a: Path, tag_dir_b: Path) -> list:
+    """Every .pt file of two checkpoint tags compared in full (our own files: full pickle is fine)."""
+    names = sorted(p.name for p in tag_dir_a.glob("*.pt"))
+    assert names == sorted(p.name for p in tag_dir_b.glob("*.pt"))
+    assert any("model_states" in name for name in names) and any(name.startswith("state_") for name in names)
+    return [f"{name}{d}" for name in names
+            for d in tree_differences(torch.load(tag_dir_a / name, weights_only=False),
+                                      torch.load(tag_dir_b / name, weights_only=False))]
+
+
+def assert_same_training(reference, outputs, tag_dir, steps):
+    """reference = (stdout, final tag dir) of the uninterrupted run."""
+    expected = step_losses(reference[0])
+    assert sorted(expected) == list(range(1, steps + 1))
+    assert step_losses(*outputs) == expected
+    assert checkpoint_differences(reference[1], tag_dir) == []
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("resume_shards")
+    helpers.write_synthetic_shards(directory, SHARD_SIZES)
+    return directory
+
+
+class References:
+    """Uninterrupted runs, made once per (world, stage, bf16, steps) in the module."""
+
+    def __init__(self, shards, root):
+        self.shards, self.root, self.done = shards, root, {}
+
+    def get(self, world, stage, bf16, steps):
+        key = (world, stage, bf16, steps)
+        if key not in self.done:
+            directory = self.root / "_".join(map(str, key))
+            directory.mkdir()
+            config = ds_config(directory, stage, bf16, world)
+            output = run(driver_args(self.shards, directory / "out", config, directory / "log.json", steps), world)
+            self.done[key] = (output, directory / "out" / str(steps))
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def references(shards, tmp_path_factory):
+    return References(shards, tmp_path_factory.mktemp("references"))
+
+
+# ============================================================================ kill + clean stop + resume
+
+def kill_stop_resume(tmp_path, shards, references, world, stage, bf16):
+    """Run 1 saves every C steps and is SIGKILLed mid-step two steps after a save (inside a shard);
+    run 2 resumes and stops cleanly just before the epoch boundary (--steps_this_run); run 3 resumes
+    across the boundary to the end."""
+    global_batch = MICRO * world
+    epoch_end_step = EPOCH_SAMPLES // global_batch  # the step after it straddles epochs 0 and 1
+    steps, every = epoch_end_step + 4, 12 // global_batch  # first checkpoint at sample 12 (1 rank) / 16 (2)
+    config = ds_config(tmp_path, stage, bf16, world)
+    out, logs = tmp_path / "out", [tmp_path / f"run{i}.json" for i in range(3)]
+    outputs = [run(driver_args(shards, out, config, logs[0], steps, num_steps_per_checkpoint=every), world,
+                   kill=f"backward:{every + 2}:{world - 1}")]
+    assert (out / "latest").read_text() == str(every)
+    outputs.append(run(driver_args(shards, out, config, logs[1], steps, steps_this_run=epoch_end_step - every),
+                       world))
+    assert f"resumed from checkpoint {every}" in outputs[-1]
+    outputs.append(run(driver_args(shards, out, config, logs[2], steps), world))
+    assert f"resumed from checkpoint {epoch_end_step}: phase 1, step {epoch_end_step}" in outputs[-1]
+    assert "epoch 0 ends inside the global micro-batch" in outputs[-1]
+    assert_same_training(references.get(world, stage, bf16, steps), outputs, out / str(steps), steps)
+
+
+def test_kill_stop_resume_one_rank_zero1_bf16(tmp_path, shards, references):
+    kill_stop_resume(tmp_path, shards, references, world=1, stage=1, bf16=True)
+
+
+MATRIX = [(world, stage, bf16) for world in (1, 2) for stage in (0, 1, 2) for bf16 in (False, True)
+          if (world, stage, bf16) != (1, 1, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,stage,bf16", MATRIX,
+                         ids=[f"{w}rank-zero{s}-{'bf16' if b else 'fp32'}" for w, s, b in MATRIX])
+def test_kill_stop_resume_matrix(tmp_path, shards, references, world, stage, bf16):
+    kill_stop_resume(tmp_path, shards, references, world, stage, bf16)
+
+
+if __name__ == "__main__":
+    if os.environ.get(KILL_ENV):
+        install_kill(os.environ[KILL_ENV], int(os.environ.get("RANK", "0")))
+    import run_pretraining
+
+    sys.argv[0] = str(helpers.REPO_ROOT / "run_pretraining.py")
+    sys.exit(run_pretraining.cli())
