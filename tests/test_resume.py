@@ -11,6 +11,7 @@ This file is also the program that the kill tests launch instead of run_pretrain
 SIGKILLs the process at the n-th <event> (see KILL_EVENTS), then runs the driver unchanged.
 """
 
+import json
 import os
 import re
 import signal
@@ -19,11 +20,17 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers  # noqa: E402  (puts the repo root on sys.path)
+import checkpointing  # noqa: E402
+import run_pretraining  # noqa: E402
+from data.dataset import SampleStream, scan_shards  # noqa: E402
+from data.shard_format import ShardError  # noqa: E402
+from test_checkpointing import read_only  # noqa: E402
 
 THIS_FILE = Path(__file__).resolve()
 KILL_ENV = "FAULT_KILL"
@@ -102,9 +109,9 @@ def install_kill(spec: str, rank: int) -> None:
 
 # ============================================================================ running the driver (test side)
 
-def ds_config(tmp_path, stage, bf16, world):
-    return helpers.write_ds_config(tmp_path / f"ds_{stage}_{bf16}_{world}.json", stage=stage, bf16=bf16,
-                                   micro=MICRO, world=world, clipping=1.0)
+def ds_config(tmp_path, stage, bf16, world, micro=MICRO):
+    return helpers.write_ds_config(tmp_path / f"ds_{stage}_{bf16}_{world}_{micro}.json", stage=stage, bf16=bf16,
+                                   micro=micro, world=world, clipping=1.0)
 
 
 def driver_args(data_dir, out, config, json_path, max_steps, **flags):
@@ -227,6 +234,106 @@ def references(shards, tmp_path_factory):
     return References(shards, tmp_path_factory.mktemp("references"))
 
 
+# ============================================================================ in-process runs (default suite)
+
+def main_in_process(argv) -> dict:
+    return run_pretraining.main([str(arg) for arg in argv])
+
+
+def json_losses(*json_paths) -> dict:
+    losses = {}
+    for path in json_paths:
+        for record in helpers.step_records(path):
+            assert losses.setdefault(record["step"][-1], record["data"]["step_loss"]) == record["data"]["step_loss"]
+    return losses
+
+
+@pytest.mark.parametrize("stage,bf16", [(0, False), (2, True)], ids=["zero0-fp32", "zero2-bf16"])
+def test_clean_stops_and_resumes_in_process(tmp_path, shards, stage, bf16):
+    """Micro-batch 8. Stops at step 2 (sample 16, inside a shard) and 10 (sample 80, the next step
+    straddles the end of epoch 0), each resumed, against one uninterrupted run of 12 steps."""
+    config, steps = ds_config(tmp_path, stage, bf16, 1, micro=8), 12
+    main_in_process(driver_args(shards, tmp_path / "ref", config, tmp_path / "ref.json", steps))
+    out, logs = tmp_path / "out", [tmp_path / f"run{i}.json" for i in range(3)]
+    for log, steps_this_run in zip(logs, (2, 8, -1)):
+        summary = main_in_process(driver_args(shards, out, config, log, steps, steps_this_run=steps_this_run))
+    assert summary["global_step"] == steps
+    assert sorted(json_losses(*logs)) == list(range(1, steps + 1))
+    assert json_losses(*logs) == json_losses(tmp_path / "ref.json")
+    assert checkpoint_differences(tmp_path / "ref" / str(steps), out / str(steps)) == []
+
+
+def test_resume_falls_back_past_a_checkpoint_missing_a_rank_file(tmp_path, shards):
+    config, steps = ds_config(tmp_path, 1, True, 1), 10
+    out = tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", steps, steps_this_run=8,
+                                num_steps_per_checkpoint=4))
+    (out / "8" / "state_0.pt").unlink()
+    with pytest.warns(checkpointing.CheckpointWarning, match=r"'8'.*state_0\.pt .*missing.*checkpoint '4'"):
+        main_in_process(driver_args(shards, out, config, tmp_path / "b.json", steps))
+    first, second = json_losses(tmp_path / "a.json"), json_losses(tmp_path / "b.json")
+    assert sorted(second) == [5, 6, 7, 8, 9, 10]
+    assert [second[step] for step in (5, 6, 7, 8)] == [first[step] for step in (5, 6, 7, 8)]
+
+
+def test_resume_with_another_model_config_is_refused(tmp_path, shards):
+    config, out = ds_config(tmp_path, 0, False, 1), tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
+    other = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
+    other["intermediate_size"] = 256
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(checkpointing.CheckpointError,
+                       match=r"another model config \(intermediate_size: checkpoint 512 vs run 256\)"):
+        main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=tmp_path / "other.json"))
+    assert (out / "latest").read_text() == "2"
+
+
+def corrupt_data_chunk(path: Path) -> None:
+    """Overwrite the compressed input_ids chunk of a shard: its header still validates at start-up,
+    but reading its samples fails when training reaches them."""
+    with h5py.File(path, "r") as f:
+        info = f["input_ids"].id.get_chunk_info(0)
+    with open(path, "r+b") as f:
+        f.seek(info.byte_offset)
+        f.write(b"\xff" * info.size)
+
+
+def last_shard_of_first_epoch(data_dir, seed=42) -> Path:
+    shards, _, _ = scan_shards(data_dir)
+    return shards[SampleStream(shards, seed, window_size=1).shard_order(0)[-1]].path
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["error", "skip_bad_shards"])
+def test_corrupt_shard_met_mid_epoch(tmp_path, capsys, skip):
+    data = tmp_path / "data"
+    helpers.write_synthetic_shards(data, SHARD_SIZES)
+    bad = last_shard_of_first_epoch(data)
+    corrupt_data_chunk(bad)
+    config, out = ds_config(tmp_path, 1, False, 1), tmp_path / "out"
+    # A window of about 12 samples, so the bad shard (the last of epoch 0) is read after some steps.
+    argv = driver_args(data, out, config, tmp_path / "a.json", 24, data_memory_budget_mb=0.01,
+                       skip_bad_shards=skip)
+    if skip:
+        summary = main_in_process(argv)
+        assert summary["skipped_shards"] == 1 and summary["global_step"] == 24
+        return
+    with pytest.raises(ShardError, match=rf"{re.escape(str(bad))}: cannot read samples"):
+        main_in_process(argv)
+    assert "Training Iteration: 10 " in capsys.readouterr().out  # the error came mid-epoch
+
+
+def test_read_only_output_dir_keeps_earlier_checkpoints(tmp_path, shards):
+    config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 8, steps_this_run=4))
+    before = {p.name: p.read_bytes() for p in (out / "4").iterdir()}
+    with read_only(out):
+        with pytest.raises(checkpointing.CheckpointError, match=r"cannot write checkpoint .*8.*(Read-only|Permission)"):
+            main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 8))
+    assert (out / "latest").read_text() == "4"
+    assert {p.name: p.read_bytes() for p in (out / "4").iterdir()} == before
+    assert checkpointing.find_resume_tag(out, 1) == "4"
+
+
 # ============================================================================ kill + clean stop + resume
 
 def kill_stop_resume(tmp_path, shards, references, world, stage, bf16):
@@ -250,6 +357,7 @@ def kill_stop_resume(tmp_path, shards, references, world, stage, bf16):
     assert_same_training(references.get(world, stage, bf16, steps), outputs, out / str(steps), steps)
 
 
+@pytest.mark.slow
 def test_kill_stop_resume_one_rank_zero1_bf16(tmp_path, shards, references):
     kill_stop_resume(tmp_path, shards, references, world=1, stage=1, bf16=True)
 
