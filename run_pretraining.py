@@ -646,10 +646,10 @@ def log_parameters(logger, args, ds_config: dict):
                                        "learning_rate": args.learning_rate, "deepspeed_config": ds_config})
 
 
-def cli() -> int:
+def cli(argv=None) -> int:
     """Command-line entry: one clear error line and a non-zero exit code instead of a traceback."""
     try:
-        main()
+        main(argv)
         status = 0
     except (InputError, ShardError, checkpointing.CheckpointError, TrainingStopped) as err:
         if isinstance(err, InputError) and os.environ.get("RANK", "0") != "0":

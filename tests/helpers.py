@@ -73,6 +73,7 @@ def write_ds_config(path, stage=1, bf16=True, micro=4, gas=1, world=1, clipping=
               "gradient_accumulation_steps": gas, "bf16": {"enabled": bf16}, "gradient_clipping": clipping,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9, **extra}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(config, indent=1))
     return Path(path)
 

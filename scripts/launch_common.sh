@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Shared by the scripts/run_bert_*.sh launchers (source it; it defines functions and defaults only).
+#
+# Every path and count can be overridden from the environment with the reference's HL_* variables:
+#   HL_DATA_DIR_ROOT     root of the HDF5 datasets        (default /data/pytorch/bert/pretraining)
+#   HL_MODEL_CONFIG      model JSON                       HL_DS_CONFIG       DeepSpeed JSON
+#   HL_RESULTS_DIR       logs, dllogger.json, TensorBoard HL_CHECKPOINTS_DIR checkpoints
+#   HL_NUM_NODES         servers                          HL_NGPU_PER_NODE   devices per server (8)
+#   HL_HOSTSFILE         DeepSpeed hostfile for several servers (default scripts/hostsfile)
+#   HL_MAX_STEPS HL_RUN_STEPS HL_NUM_STEPS_PER_CP HL_LOG_FREQ  schedule and cadence
+#   HL_DEVICE            hpu (default, --use_hpu) | cuda | cpu (--no_cuda)
+#   HL_DATA_DIR          the shard directory itself (default: the phase-1 dataset under HL_DATA_DIR_ROOT)
+# Extra arguments given to a launcher are appended to run_pretraining.py's arguments.
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PHASE1_DATASET="hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/books_wiki_en_corpus"
+
+die() {
+    echo "error: $*" >&2
+    exit 1
+}
+
+# The reference's phase-1 schedule and data shape, common to every launcher.
+pretraining_args() {
+    local device_args=()
+    case "${HL_DEVICE:-hpu}" in
+        hpu) device_args=(--use_hpu) ;;
+        cuda) device_args=() ;;
+        cpu) device_args=(--no_cuda) ;;
+        *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
+    esac
+    PRETRAINING_ARGS=(
+        "${device_args[@]}" --disable_progress_bar --optimizer=lans --use_lr_scheduler --resume_from_checkpoint
+        --do_train --bert_model=bert-base-uncased --config_file="$MODEL_CONFIG"
+        --json-summary="$RESULTS_DIR/dllogger.json" --output_dir="$CHECKPOINTS_DIR" --seed=12439
+        --input_dir="$DATA_DIR" --max_seq_length=128 --max_predictions_per_seq=20
+        --max_steps="$MAX_STEPS" --steps_this_run="$RUN_STEPS" --num_steps_per_checkpoint="$NUM_STEPS_PER_CP"
+        --learning_rate=0.0015 --warmup_proportion=0.05 --constant_proportion=0.25 --scheduler_degree=1.0
+        --log_freq="$LOG_FREQ" --deepspeed --deepspeed_config="$DS_CONFIG"
+    )
+}
+
+# Resolve the HL_* overrides against the launcher's defaults (set before calling this).
+resolve_settings() {
+    DATA_DIR="${HL_DATA_DIR:-${HL_DATA_DIR_ROOT:-/data/pytorch/bert/pretraining}/$PHASE1_DATASET}"
+    MODEL_CONFIG="${HL_MODEL_CONFIG:-$DEFAULT_MODEL_CONFIG}"
+    DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
+    RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
+    CHECKPOINTS_DIR="${HL_CHECKPOINTS_DIR:-$RESULTS_DIR/checkpoints}"
+    NUM_NODES="${HL_NUM_NODES:-$DEFAULT_NUM_NODES}"
+    NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
+    HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
+    MAX_STEPS="${HL_MAX_STEPS:-$DEFAULT_MAX_STEPS}"
+    RUN_STEPS="${HL_RUN_STEPS:--1}"
+    NUM_STEPS_PER_CP="${HL_NUM_STEPS_PER_CP:-$DEFAULT_NUM_STEPS_PER_CP}"
+    LOG_FREQ="${HL_LOG_FREQ:-$DEFAULT_LOG_FREQ}"
+    [[ -d "$DATA_DIR" ]] || die "data directory $DATA_DIR does not exist (set HL_DATA_DIR_ROOT or HL_DATA_DIR; build it with data/create_datasets_from_start.sh)"
+    [[ -f "$MODEL_CONFIG" ]] || die "model config $MODEL_CONFIG does not exist"
+    [[ -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
+    command -v deepspeed > /dev/null || die "the deepspeed launcher is not on PATH (activate the virtual environment)"
+}
+
+# Several servers: the hostfile, and the master address from its first host line.
+multinode_args() {
+    MULTINODE_ARGS=()
+    if [[ "$NUM_NODES" != 1 ]]; then
+        [[ -f "$HOSTSFILE" ]] || die "$NUM_NODES nodes need a hostfile; $HOSTSFILE does not exist (set HL_HOSTSFILE)"
+        local master_addr
+        master_addr="$(grep -v '^[[:space:]]*\(#\|$\)' "$HOSTSFILE" | head -n 1 | awk '{print $1}')"
+        [[ -n "$master_addr" ]] || die "$HOSTSFILE names no host"
+        MULTINODE_ARGS=(--hostfile="$HOSTSFILE" --master_addr "$master_addr")
+    fi
+}
+
+# deepspeed --num_nodes N --num_gpus 8 --no_local_rank --no_python [multinode] python -u run_pretraining.py ...
+launch_pretraining() {
+    resolve_settings
+    pretraining_args
+    multinode_args
+    mkdir -p "$RESULTS_DIR"
+    cd "$REPO_ROOT"
+    local command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
+                   "${MULTINODE_ARGS[@]}" python -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
+    echo "${command[*]}"
+    exec "${command[@]}"
+}

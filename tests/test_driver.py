@@ -1,0 +1,286 @@
+"""run_pretraining.py on one CPU rank, in-process (main(argv) / cli(argv)) with the real DeepSpeed.
+
+Multi-rank runs through the real launcher are in test_driver_multirank.py (slow).
+"""
+
+import json
+import math
+import os
+import re
+import signal
+from contextlib import nullcontext
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+import helpers
+import run_pretraining as rp
+from modeling import BertPretrainingCriterion
+
+STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
+             "tokens_per_second", "all_ranks_average_loss", "skipped_steps"}
+FINAL_KEYS = {"final_loss", "average_training_time_step", "average_perf_per_step"}
+SUMMARY_KEYS = {"e2e_train_time", "training_sequences_per_second", "raw_train_time", "final_loss",
+                "training_tokens_per_second"}
+PARAMETER_KEYS = {"Config", "SEED", "train_start", "batch_size_per_pu", "learning_rate"}
+
+
+@pytest.fixture(autouse=True)
+def cpu_accelerator(monkeypatch):
+    # --use_hpu sets DS_ACCELERATOR only when unset: keep the test session on CPU.
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+def run(tmp_path, shards, stage=1, bf16=True, micro=4, gas=1, **flags):
+    """main(argv) for a tiny run in tmp_path; returns (summary, dllogger path, checkpoint dir)."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=stage, bf16=bf16, micro=micro, gas=gas)
+    json_summary, output_dir = tmp_path / "dllogger.json", tmp_path / "checkpoints"
+    summary = rp.main(helpers.driver_argv(shards, output_dir, ds_config, json_summary=json_summary, **flags))
+    return summary, json_summary, output_dir
+
+
+class PoisonedCriterion(BertPretrainingCriterion):
+    """The real criterion, but calls number `bad_calls` (1-based) return NaN; `on_call` hooks a call."""
+
+    def __init__(self, bad_calls=(), on_call=None):
+        super().__init__()
+        self.calls, self.bad_calls, self.on_call = 0, set(bad_calls), on_call
+
+    def forward(self, *args):
+        self.calls += 1
+        if self.on_call is not None:
+            self.on_call(self.calls)
+        loss = super().forward(*args)
+        return loss * float("nan") if self.calls in self.bad_calls else loss
+
+
+def capture_engine(monkeypatch):
+    """Keep what build_engine returns, to look at the optimizer after main() returned."""
+    captured = {}
+    original = rp.build_engine
+
+    def build_and_keep(*args, **kwargs):
+        captured["engine"], captured["optimizer"] = original(*args, **kwargs)
+        return captured["engine"], captured["optimizer"]
+
+    monkeypatch.setattr(rp, "build_engine", build_and_keep)
+    return captured
+
+
+# ============================================================================ runs complete
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_run_completes_and_logs_every_key(tmp_path, tiny_shards, stage, bf16):
+    summary, json_summary, output_dir = run(tmp_path, tiny_shards, stage=stage, bf16=bf16, gas=2, max_steps=3)
+    assert summary["global_step"] == 3 and math.isfinite(summary["final_loss"])
+    assert (output_dir / "latest").read_text().strip() == "3"
+    records = helpers.read_dllogger(json_summary)
+    logs = [r for r in records if r["type"] == "LOG"]
+    parameter = next(r["data"] for r in logs if r["step"] == "PARAMETER")
+    steps = [r for r in logs if "step_loss" in r["data"]]
+    final = next(r["data"] for r in logs if "final_loss" in r["data"] and r["step"] != [])
+    assert PARAMETER_KEYS <= set(parameter)
+    assert [r["step"] for r in steps] == [[0, 1], [0, 2], [0, 3]]
+    assert all(STEP_KEYS <= set(r["data"]) for r in steps)
+    assert FINAL_KEYS <= set(final)
+    assert SUMMARY_KEYS <= set(logs[-1]["data"]) and logs[-1]["step"] == []
+    # Losses start near ln(vocab) for a fresh model.
+    assert abs(steps[0]["data"]["average_loss"] - math.log(30522)) < 1.5
+
+
+def test_reference_metrics_are_computed_as_the_reference_does(tmp_path, tiny_shards):
+    """log_freq 2, GAS 2: average_loss is the mean of the window's per-step mean losses; step_loss the last
+    micro-batch's loss; perf = micro x GAS / time per step (checked with the logged time)."""
+    summary, json_summary, _ = run(tmp_path, tiny_shards, stage=0, bf16=False, micro=4, gas=2, max_steps=4,
+                                   log_freq=2)
+    steps = helpers.step_records(json_summary)
+    assert [r["step"] for r in steps] == [[0, 2], [0, 4]]
+    for record in steps:
+        data = record["data"]
+        assert data["average_perf_per_step"] == pytest.approx(4 * 2 / data["average_training_time_step"])
+        assert data["tokens_per_second"] == pytest.approx(4 * 2 * 32 / data["average_training_time_step"])
+        assert data["average_loss"] == pytest.approx(data["all_ranks_average_loss"])  # one rank
+    assert summary["final_loss"] == pytest.approx(steps[-1]["data"]["average_loss"])
+
+
+# ============================================================================ DeepSpeed traps
+
+def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shards, monkeypatch):
+    """bf16 + ZeRO-0: DeepSpeed's FP16_UnfusedOptimizer steps once with zero gradients at initialize.
+    The driver's guard keeps LANS's step counter at 0 and the fp32 master weights equal to the bf16
+    model weights they were copied from; without the guard both change (negative control)."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=0, bf16=True)
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)
+    args = rp.parse_arguments(argv)
+    ds_dict, model_config, _ = rp.validate_args(args, 1)
+    rp.setup_device_and_distributed(args)
+
+    def masters_and_steps():
+        engine, optimizer = rp.build_engine(args, rp.build_model(args, model_config), dict(ds_dict))
+        masters = [m for group in engine.optimizer.fp32_groups for m in group]
+        weights = [p.float() for group in engine.optimizer.fp16_groups for p in group]
+        unchanged = all(torch.equal(m, w) for m, w in zip(masters, weights))
+        return unchanged, [g["step"] for g in optimizer.param_groups], len(optimizer.state)
+
+    assert masters_and_steps() == (True, [0, 0], 0)
+    monkeypatch.setattr(rp, "optimizer_step_suppressed", lambda optimizer: nullcontext())
+    unchanged, steps, _ = masters_and_steps()
+    assert not unchanged and steps == [1, 1]
+
+
+def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
+    import deepspeed.ops
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config))
+    rp.setup_device_and_distributed(args)
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+
+
+# ============================================================================ resume
+
+def test_resume_continues_at_the_next_sample(tmp_path, tiny_shards):
+    """6 steps in one go == 3 steps, stop, resume, 3 more: same per-step losses (bitwise on CPU, with
+    dropout on, so the RNG states are restored too). 16 samples per step cross the 81-sample epoch."""
+    common = dict(stage=1, bf16=True, micro=8, gas=2, max_steps=6, log_freq=1)
+    run(tmp_path / "whole", tiny_shards, **common)
+    whole = [r["data"]["step_loss"] for r in helpers.step_records(tmp_path / "whole" / "dllogger.json")]
+    first_half, _, output_dir = run(tmp_path / "split", tiny_shards, steps_this_run=3, **common)
+    assert first_half["global_step"] == 3
+    (tmp_path / "split" / "dllogger.json").rename(tmp_path / "split" / "first.json")
+    second_half, json_summary, _ = run(tmp_path / "split", tiny_shards, resume_from_checkpoint=True, **common)
+    assert second_half["global_step"] == 6
+    split = [r["data"]["step_loss"] for name in ("first.json", "dllogger.json")
+             for r in helpers.step_records(tmp_path / "split" / name)]
+    assert split == whole
+    state = torch.load(output_dir / "3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state["samples_consumed"] == 3 * 16 and state["epoch"] == 0
+
+
+def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, tiny_shards, capsys):
+    summary, _, _ = run(tmp_path, tiny_shards, resume_from_checkpoint=True, max_steps=1, skip_checkpoint=True)
+    assert summary["global_step"] == 1
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+# ============================================================================ non-finite loss, signals
+
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, True)], ids=["zero0_fp32", "zero1_bf16"])
+def test_non_finite_steps_are_skipped_and_counted(tmp_path, tiny_shards, monkeypatch, stage, bf16):
+    captured = capture_engine(monkeypatch)
+    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls={2, 3}))
+    summary, json_summary, _ = run(tmp_path, tiny_shards, stage=stage, bf16=bf16, max_steps=5, log_freq=1)
+    assert summary["skipped_steps"] == 2 and summary["global_step"] == 5
+    assert [r["data"]["skipped_steps"] for r in helpers.step_records(json_summary)] == [0, 1, 2, 2, 2]
+    # Only the 3 good steps reached LANS, and no NaN reached the weights.
+    assert [g["step"] for g in captured["optimizer"].param_groups] == [3, 3]
+    assert all(torch.isfinite(p).all() for p in captured["engine"].module.parameters())
+
+
+def test_too_many_bad_steps_stop_with_a_checkpoint(tmp_path, tiny_shards, monkeypatch, capsys):
+    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls=range(2, 100)))
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True)
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=10, max_bad_steps=3)
+    assert rp.cli(argv) == 1
+    assert "3 consecutive steps had a non-finite loss" in capsys.readouterr().err
+    assert (tmp_path / "out" / "latest").read_text().strip() == "4"
+
+
+def test_sigterm_finishes_the_step_saves_and_returns(tmp_path, tiny_shards, monkeypatch):
+    def terminate_on_second_call(call):
+        if call == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(on_call=terminate_on_second_call))
+    summary, _, output_dir = run(tmp_path, tiny_shards, max_steps=6)
+    assert summary["stopped_by_signal"] and summary["global_step"] == 2
+    assert (output_dir / "latest").read_text().strip() == "2"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
+
+
+# ============================================================================ bad input
+
+def corrupt_key(paths):
+    with h5py.File(paths[0], "a") as f:
+        del f["masked_lm_ids"]
+
+
+def mismatched_rows(paths):
+    with h5py.File(paths[0], "a") as f:
+        del f["next_sentence_labels"]
+        f["next_sentence_labels"] = [0, 1]
+
+
+def id_beyond_vocab(paths):
+    with h5py.File(paths[0], "a") as f:
+        ids = f["input_ids"][...]
+        ids[3, 5] = 40000
+        f["input_ids"][...] = ids
+
+
+BAD_INPUTS = {
+    "missing_input_dir": (None, {"input_dir": "/nonexistent/shards"}, "does not exist or is not a directory"),
+    "empty_input_dir": ("empty", {}, "no training shards"),
+    "shard_missing_key": (corrupt_key, {}, "missing key.*masked_lm_ids"),
+    "shard_wrong_shape": (mismatched_rows, {}, "'next_sentence_labels' has 2 rows"),
+    "token_id_beyond_vocab": (id_beyond_vocab, {"disable_random_sampler": True},
+                              "sample 3: token id 40000 outside \\[0, 30522\\)"),
+    "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}}, "train_batch_size 10 != train_micro_batch_size"),
+    "output_dir_not_empty": ("occupied", {}, "is not empty: pass --resume_from_checkpoint"),
+    "unknown_optimizer": (None, {"optimizer": "sgd"}, "unknown --optimizer 'sgd': choose one of lans"),
+    "dataset_smaller_than_a_batch": (None, {"ds": {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 128,
+                                                   "gradient_accumulation_steps": 1}},
+                                     "holds 20 samples, fewer than one global micro-batch \\(128\\)"),
+    "unknown_profile": (None, {"profile": "nsys"}, "unknown --profile 'nsys'"),
+    "hltv_without_hpu": (None, {"profile": "hltv"}, "needs --use_hpu"),
+    "use_hpu_without_habana": (None, {"use_hpu": True, "no_cuda": False}, "--use_hpu needs the SynapseAI"),
+    "too_many_predictions": (None, {"max_predictions_per_seq": 3}, "5 masked positions per sequence, more than"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, capsys, case):
+    prepare, flags, message = BAD_INPUTS[case]
+    flags = dict(flags)
+    data_dir = tmp_path / "shards"
+    paths = helpers.write_synthetic_shards(data_dir, [12, 8])
+    if callable(prepare):
+        prepare(paths)
+    elif prepare == "empty":
+        for path in paths:
+            path.unlink()
+    elif prepare == "occupied":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "old_run.txt").write_text("x")
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    config = json.loads(ds_config.read_text())
+    config.update(flags.pop("ds", {}))
+    ds_config.write_text(json.dumps(config))
+    argv = helpers.driver_argv(data_dir, tmp_path / "out", ds_config, json_summary=tmp_path / "log.json",
+                               **{"input_dir": data_dir, **flags})
+    assert rp.cli(argv) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert re.search(message, errors[0]), errors[0]
+
+
+def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, json_summary=tmp_path / "log.json",
+                               optimizer="sgd")
+    result = helpers.run_single_process(argv, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: unknown --optimizer 'sgd'")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "log.json").exists()
+
+
+def test_help_says_which_flags_do_nothing(capsys):
+    with pytest.raises(SystemExit):
+        rp.parse_arguments(["--help"])
+    text = capsys.readouterr().out
+    assert "these do nothing" in text
+    for flag in ("--bert_model", "--num_train_epochs", "--do_train", "--loss_scale"):
+        assert flag in text
