@@ -22,6 +22,7 @@ one ``<stem>.hdf5`` per input, made in parallel by ``--n_processes`` workers; an
 ending in .hdf5/.h5 gets every input in one shard. Existing outputs are skipped (``--overwrite``).
 """
 import argparse
+import bisect
 import hashlib
 import itertools
 import multiprocessing
@@ -53,8 +54,13 @@ def derive_seed(random_seed, shard_name):
     return int.from_bytes(digest[:8], "little")
 
 
-def load_tokenizer(vocab_file, do_lower_case):
-    """Return (tokenizer, vocab_size, {special token: id}) for a BERT vocab.txt."""
+def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
+    """Return (tokenizer, vocab_size, {special token: id}) for a BERT vocab.txt.
+
+    plain_ascii: a faster tokenizer for printable ASCII text only. On such text BERT's
+    normalisation (control-character removal, whitespace mapping, accent stripping, CJK spacing)
+    is a no-op but for lower-casing, so it is skipped; the tokens are the same as the full one's.
+    """
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import WordPiece
 
@@ -68,7 +74,10 @@ def load_tokenizer(vocab_file, do_lower_case):
         raise InputError(f"vocab file {vocab_file} lacks [UNK]")
     # BERT's BasicTokenizer (clean, CJK split, lower-case + strip accents, punctuation split) + WordPiece.
     tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case, strip_accents=do_lower_case)
+    if not plain_ascii:
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case, strip_accents=do_lower_case)
+    elif do_lower_case:
+        tokenizer.normalizer = normalizers.Lowercase()
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     missing = [token for token, token_id in special.items() if token_id is None]
@@ -112,7 +121,20 @@ def read_document_blocks(path, block_chars):
         raise InputError(f"{path}: no text (empty input)")
 
 
-def tokenize_documents(tokenizer, documents):
+def encode_lines(tokenizers, lines):
+    """WordPiece id lists of lines, in order; printable ASCII lines (most English text) take the fast tokenizer."""
+    full, plain_ascii = tokenizers
+    is_plain = [line.isascii() and line.isprintable() for line in lines]
+    ids = [None] * len(lines)
+    for plain, tokenizer in ((True, plain_ascii), (False, full)):
+        index = [i for i, flag in enumerate(is_plain) if flag is plain]
+        encodings = tokenizer.encode_batch_fast([lines[i] for i in index], add_special_tokens=False)
+        for i, encoding in zip(index, encodings):
+            ids[i] = encoding.ids
+    return ids
+
+
+def tokenize_documents(tokenizers, documents):
     """WordPiece ids of a block: (flat int32 array, per document the segment boundaries in it).
 
     Lines that tokenize to nothing are dropped, then documents left without segments.
@@ -120,10 +142,9 @@ def tokenize_documents(tokenizer, documents):
     lines = [line for document in documents for line in document]
     id_chunks, lengths = [], []
     for start in range(0, len(lines), TOKENIZE_BATCH_LINES):
-        encodings = tokenizer.encode_batch_fast(lines[start:start + TOKENIZE_BATCH_LINES],
-                                                add_special_tokens=False)
-        lengths.extend(len(encoding.ids) for encoding in encodings)
-        id_chunks.append(np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32))
+        ids = encode_lines(tokenizers, lines[start:start + TOKENIZE_BATCH_LINES])
+        lengths.extend(map(len, ids))
+        id_chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32))
     flat = np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.int32)
     ends = np.cumsum(lengths).tolist()
     boundaries, line_index = [], 0
@@ -142,30 +163,33 @@ def document_instances(doc_index, boundaries, max_num_tokens, short_seq_prob, rn
     """Append (a_start, a_len, b_start, b_len, is_random_next) for one document to ``out``.
 
     Google's create_instances_from_document on segment boundaries (flat token offsets) instead
-    of token lists: segments are contiguous in the block's token array, so A and B are ranges.
+    of token lists: segments are contiguous in the block's token array, so A and B are ranges,
+    and the segment where a chunk (or B) reaches its target length is found by bisection.
     """
+    uniform = rng.random
+
+    def uniform_int(low, high):  # rng.randint(low, high), at a fraction of its cost
+        return low + int(uniform() * (high - low + 1))
+
     bounds = boundaries[doc_index]
     num_segments = len(bounds) - 1
-    target = rng.randint(2, max_num_tokens) if rng.random() < short_seq_prob else max_num_tokens
-    chunk_start, i = 0, 0
-    while i < num_segments:
-        i += 1
-        if i < num_segments and bounds[i] - bounds[chunk_start] < target:
-            continue
+    target = uniform_int(2, max_num_tokens) if uniform() < short_seq_prob else max_num_tokens
+    chunk_start = 0
+    while chunk_start < num_segments:
+        # first segment end at which the chunk reaches the target length, or the document's end
+        i = bisect.bisect_left(bounds, bounds[chunk_start] + target, chunk_start + 1, num_segments)
         chunk_segments = i - chunk_start
-        a_end = chunk_start + (rng.randint(1, chunk_segments - 1) if chunk_segments >= 2 else 1)
+        a_end = chunk_start + (uniform_int(1, chunk_segments - 1) if chunk_segments >= 2 else 1)
         a_start, a_len = bounds[chunk_start], bounds[a_end] - bounds[chunk_start]
-        if chunk_segments == 1 or rng.random() < 0.5:
+        if chunk_segments == 1 or uniform() < 0.5:
             random_index = doc_index
             for _ in range(10):
-                random_index = rng.randint(0, len(boundaries) - 1)
+                random_index = uniform_int(0, len(boundaries) - 1)
                 if random_index != doc_index:
                     break
             other = boundaries[random_index]
-            first = rng.randint(0, len(other) - 2)
-            last = first + 1
-            while last < len(other) - 1 and other[last] - other[first] < target - a_len:
-                last += 1
+            first = uniform_int(0, len(other) - 2)
+            last = bisect.bisect_left(other, other[first] + target - a_len, first + 1, len(other) - 1)
             out.append((a_start, a_len, other[first], other[last] - other[first], int(random_index != doc_index)))
             i = a_end  # put the unused segments back
         else:
@@ -248,7 +272,7 @@ def mask_batch(input_ids, segment_ids, seq_length, settings, vocab_size, special
     return positions.astype(np.int32), labels
 
 
-def block_instance_specs(boundaries, settings, rng):
+def block_instance_specs(boundaries, settings, rng, np_rng):
     """Instance specs of one block: documents shuffled, dupe_factor passes, instances shuffled."""
     max_num_tokens = settings.max_seq_length - 3
     rng.shuffle(boundaries)
@@ -256,8 +280,7 @@ def block_instance_specs(boundaries, settings, rng):
     for _ in range(settings.dupe_factor):
         for doc_index in range(len(boundaries)):
             document_instances(doc_index, boundaries, max_num_tokens, settings.short_seq_prob, rng, specs)
-    rng.shuffle(specs)
-    return np.array(specs, dtype=np.int64).reshape(-1, 5)
+    return np_rng.permutation(np.array(specs, dtype=np.int64).reshape(-1, 5))
 
 
 def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
@@ -275,12 +298,17 @@ def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
 _TOKENIZERS = {}
 
 
+def cached_tokenizers(vocab_file, do_lower_case):
+    """((full tokenizer, vocab size, special ids), plain ASCII tokenizer), loaded once per process."""
+    key = (vocab_file, do_lower_case)
+    if key not in _TOKENIZERS:  # forked workers inherit the main process's
+        _TOKENIZERS[key] = (load_tokenizer(*key), load_tokenizer(*key, plain_ascii=True)[0])
+    return _TOKENIZERS[key]
+
+
 def create_shard(input_paths, output_path, settings, show_progress=False):
     """Build one shard from input text files; returns the number of instances written."""
-    key = (settings.vocab_file, settings.do_lower_case)
-    if key not in _TOKENIZERS:  # once per worker process
-        _TOKENIZERS[key] = load_tokenizer(*key)
-    tokenizer, vocab_size, special = _TOKENIZERS[key]
+    (full, vocab_size, special), plain_ascii = cached_tokenizers(settings.vocab_file, settings.do_lower_case)
     seed = derive_seed(settings.random_seed, Path(output_path).stem)
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     total_chars = sum(os.path.getsize(path) for path in input_paths)
@@ -289,9 +317,9 @@ def create_shard(input_paths, output_path, settings, show_progress=False):
                  disable=None if show_progress else True, mininterval=1.0) as progress:
         for path in input_paths:
             for documents in read_document_blocks(path, settings.block_chars):
-                flat, boundaries = tokenize_documents(tokenizer, documents)
+                flat, boundaries = tokenize_documents((full, plain_ascii), documents)
                 if boundaries:
-                    specs = block_instance_specs(boundaries, settings, rng)
+                    specs = block_instance_specs(boundaries, settings, rng, np_rng)
                     write_block(writer, flat, specs, settings, vocab_size, special, np_rng)
                 progress.update(sum(len(line) + 1 for document in documents for line in document))
         if writer.num_samples == 0:
@@ -380,7 +408,7 @@ def _run_job(job_and_settings):
 
 
 def run(settings):
-    load_tokenizer(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
+    cached_tokenizers(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
     jobs = plan_jobs(settings)
     todo = [job for job in jobs if settings.overwrite or not job[1].exists()]
     if len(todo) < len(jobs):

@@ -19,8 +19,10 @@ SHARD_KEYS = {
     "masked_lm_ids": ("i4", 2, "max_pred"),
     "next_sentence_labels": ("i1", 1, None),
 }
-GZIP_LEVEL = 4  # level 4 is nearly as small as 9 and several times faster to write
-CHUNK_BYTES = 1 << 18  # HDF5 chunk of ~256 KiB: small enough for cheap random reads of a few rows
+# gzip level 1 after HDF5's byte-shuffle filter: smaller files than the reference's plain gzip level 4
+# and about half its CPU time; both filters are built into every HDF5/h5py.
+COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+CHUNK_BYTES = 1 << 18  # input_ids chunk of ~256 KiB: cheap to decompress for a reader wanting a few rows
 
 
 class ShardError(ValueError):
@@ -56,28 +58,27 @@ class ShardWriter:
     Rows go to a temporary file in the destination directory (datasets resizable along the
     sample axis), which is renamed over ``path`` when the ``with`` block exits normally and
     deleted when it exits with an exception: a killed or failing writer leaves no partial shard.
+    Rows are buffered and written in whole HDF5 chunks, so no chunk is compressed twice.
     """
 
     def __init__(self, path, seq_len, max_pred):
         self.path = Path(path)
         self.widths = {"seq_len": seq_len, "max_pred": max_pred}
+        self.chunk_rows = 1 << max(0, (CHUNK_BYTES // (4 * seq_len)).bit_length() - 1)  # a power of two
         self.num_samples = 0
+        self._pending = []
         self._tmp_name = None
         self._file = None
 
-    def temp_prefix(self):
-        return f".{self.path.name}."
-
     def __enter__(self):
-        fd, self._tmp_name = tempfile.mkstemp(prefix=self.temp_prefix(), suffix=".tmp", dir=self.path.parent)
+        fd, self._tmp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         os.close(fd)
         os.chmod(self._tmp_name, 0o644)  # mkstemp creates 0600; shards are meant to be shared
         self._file = h5py.File(self._tmp_name, "w")
         for key, (dtype, rank, dim_name) in SHARD_KEYS.items():
             tail = (self.widths[dim_name],) if rank == 2 else ()
-            rows = max(1, CHUNK_BYTES // (np.dtype(dtype).itemsize * (tail[0] if tail else 1)))
             self._file.create_dataset(key, shape=(0,) + tail, maxshape=(None,) + tail, dtype=dtype,
-                                      chunks=(rows,) + tail, compression="gzip", compression_opts=GZIP_LEVEL)
+                                      chunks=(self.chunk_rows,) + tail, **COMPRESSION)
         return self
 
     def append(self, arrays):
@@ -86,14 +87,27 @@ class ShardWriter:
         if (seq_len, max_pred) != (self.widths["seq_len"], self.widths["max_pred"]):
             raise ShardError(f"{self.path}: appending ({seq_len}, {max_pred}) rows to a "
                              f"({self.widths['seq_len']}, {self.widths['max_pred']}) shard")
-        for key, (dtype, _, _) in SHARD_KEYS.items():
-            dataset = self._file[key]
-            dataset.resize(self.num_samples + count, axis=0)
-            dataset[self.num_samples:] = np.asarray(arrays[key], dtype=dtype)
+        self._pending.append({key: np.asarray(arrays[key], dtype=SHARD_KEYS[key][0]) for key in SHARD_KEYS})
         self.num_samples += count
+        if sum(len(p["input_ids"]) for p in self._pending) >= self.chunk_rows:
+            self._flush(whole_chunks_only=True)
+
+    def _flush(self, whole_chunks_only):
+        merged = {key: np.concatenate([p[key] for p in self._pending]) for key in SHARD_KEYS}
+        rows = len(merged["input_ids"])
+        if whole_chunks_only:
+            rows -= rows % self.chunk_rows
+        start = self._file["input_ids"].shape[0]
+        for key in SHARD_KEYS:
+            dataset = self._file[key]
+            dataset.resize(start + rows, axis=0)
+            dataset[start:] = merged[key][:rows]
+        self._pending = [{key: merged[key][rows:] for key in SHARD_KEYS}]
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            if exc_type is None:
+                self._flush(whole_chunks_only=False)
             self._file.close()
             if exc_type is None:
                 os.replace(self._tmp_name, self.path)

@@ -85,16 +85,20 @@ def split_to_scratch(input_files, scratch, n_processes):
     return np.frombuffer(offsets, dtype=np.int64), np.frombuffer(counts, dtype=np.int64)
 
 
-def assign_articles(counts, n_training, n_test, fraction_test):
-    """Shard index of each article (training shards 0..N-1, test shards N..N+M-1), balanced greedily."""
+def check_shard_counts(n_training, n_test, fraction_test):
     if n_training < 1 or n_test < 0 or (n_test > 0) != (fraction_test > 0) or not 0 <= fraction_test < 1:
         raise ShardingError("need >= 1 training shard, and test shards exactly when 0 < fraction_test_set < 1")
+
+
+def assign_articles(counts, n_training, n_test, fraction_test):
+    """Shard index of each article (training shards 0..N-1, test shards N..N+M-1), balanced greedily."""
+    check_shard_counts(n_training, n_test, fraction_test)
     if len(counts) < n_training + n_test:
         raise ShardingError(f"only {len(counts)} articles for {n_training + n_test} shards; "
                             "lower the number of shards")
     total = float(counts.sum())
     targets = [total * (1 - fraction_test) / n_training] * n_training
-    targets += [total * fraction_test / n_test] * n_test
+    targets += [total * fraction_test / max(n_test, 1)] * n_test
     # Heap of (fill ratio, shard); ties go to the lower index, so every shard gets an article early.
     heap = [(0.0, shard) for shard in range(len(targets))]
     filled = [0] * len(targets)
@@ -125,6 +129,7 @@ def shard_corpus(input_files, out_dir, dataset, n_training, n_test, fraction_tes
     out_dir = Path(out_dir)
     if out_dir.exists():
         return False
+    check_shard_counts(n_training, n_test, fraction_test)  # before the long sentence-splitting pass
     tmp = Path(f"{out_dir}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

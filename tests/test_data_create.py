@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data.create_pretraining_data import load_tokenizer, truncate_pairs
+from data.create_pretraining_data import encode_lines, load_tokenizer, truncate_pairs
 from data.shard_format import SHARD_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,12 +81,12 @@ def test_tokenization_matches_bert_basic_and_wordpiece(corpus):
     lines = [line for doc in corpus[1] for line in doc][:1500]
     lines += ["Naïve CAFÉ in 東京 costs ½ €; e-mail: a.b@c.org", "x" * 150 + " ok",
               "\u00adsoft\u200b zero-width\x07"]
+    lines += ["Tab\tseparated WORDS", "ÀÉÎÕÜ àéîõü", "plain ASCII, with (punctuation) & 123,456.78!"]
     for lower_case in (True, False):
-        ours, _, _ = load_tokenizer(VOCAB, lower_case)
+        tokenizers = (load_tokenizer(VOCAB, lower_case)[0], load_tokenizer(VOCAB, lower_case, plain_ascii=True)[0])
         reference = legacy_tokenizer(lower_case)
-        for line in lines:
-            expected = reference.convert_tokens_to_ids(reference.tokenize(line))
-            assert ours.encode(line, add_special_tokens=False).ids == expected, line
+        expected = [reference.convert_tokens_to_ids(reference.tokenize(line)) for line in lines]
+        assert encode_lines(tokenizers, lines) == expected
 
 
 def test_truncation_matches_the_token_by_token_loop():
