@@ -1,6 +1,6 @@
 """Benchmark data/create_pretraining_data.py against a plain single-process pure-Python baseline.
 
-    python bench/bench_data.py [--dupe_factor 5] [--max_seq_length 128] [--repeat 1] [--memory_repeat 8]
+    python bench/bench_data.py [--dupe_factor 5] [--max_seq_length 128] [--repeat 8] [--memory_repeat 4]
 
 Both run on the same text shards (the committed sample corpus taken through the real pipeline up to
 sharding, optionally repeated) with the same settings, each in its own subprocess under
@@ -217,8 +217,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--random_seed", type=int, default=12345)
     parser.add_argument("--n_shards", type=int, default=2, help="text shards the sample corpus is cut into")
     parser.add_argument("--n_processes", type=int, default=os.cpu_count() or 1, help="workers for ours")
-    parser.add_argument("--repeat", type=int, default=1, help="repeat the sample text this many times")
-    parser.add_argument("--memory_repeat", type=int, default=8, help="input size multiple for the memory run")
+    parser.add_argument("--repeat", type=int, default=8,
+                        help="repeat the sample text this many times (8: ~11 MiB; real shards are larger)")
+    parser.add_argument("--memory_repeat", type=int, default=4, help="input size multiple for the memory run")
     parser.add_argument("--run_baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--input_dir", help=argparse.SUPPRESS)
     parser.add_argument("--output_dir", help=argparse.SUPPRESS)
