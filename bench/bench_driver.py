@@ -1,0 +1,115 @@
+"""Driver overhead: steps/s of run_pretraining.py (DeepSpeed, data pipeline, logging) against a plain
+PyTorch loop with the same model, LANS and PolyWarmUp on in-memory batches, one rank, CPU.
+
+    python bench/bench_driver.py                       # fp32, ZeRO-0
+    python bench/bench_driver.py --bf16 --stage 1      # driver bf16 ZeRO-1 vs plain loop on a bf16 model
+
+Both sides time the same steps (the first one included, as the driver's raw_train_time does); model
+init, DeepSpeed initialize and shard writing are outside the timed window. Prints a table; asserts nothing.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import run_pretraining  # noqa: E402
+from data.shard_format import write_shard  # noqa: E402
+from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion  # noqa: E402
+from optimization import build_optimizer, get_parameter_groups  # noqa: E402
+from schedulers import PolyWarmUpScheduler  # noqa: E402
+
+MODEL_CONFIG = Path(__file__).resolve().parent.parent / "scripts" / "bert_tiny_config.json"
+
+
+def synthetic_arrays(num_samples, seq_len, max_pred, vocab_size, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1000, vocab_size, (num_samples, seq_len)).astype(np.int32)
+    positions = np.sort(np.stack([rng.choice(np.arange(1, seq_len), max_pred, replace=False)
+                                  for _ in range(num_samples)]), axis=1).astype(np.int32)
+    return {"input_ids": ids, "input_mask": np.ones_like(ids, dtype=np.int8),
+            "segment_ids": np.zeros_like(ids, dtype=np.int8), "masked_lm_positions": positions,
+            "masked_lm_ids": np.take_along_axis(ids, positions, 1),
+            "next_sentence_labels": rng.integers(0, 2, num_samples).astype(np.int8)}
+
+
+def time_driver(args, work: Path) -> float:
+    """Steps/s of run_pretraining.main over args.steps steps, from its raw_train_time."""
+    ds_config = work / "ds.json"
+    ds_config.write_text(json.dumps({
+        "train_batch_size": args.micro, "train_micro_batch_size_per_gpu": args.micro,
+        "bf16": {"enabled": args.bf16}, "gradient_clipping": 0.0, "zero_optimization": {"stage": args.stage},
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}))
+    common = ["--input_dir", str(work / "shards"), "--config_file", str(MODEL_CONFIG), "--optimizer", "lans",
+              "--use_lr_scheduler", "--learning_rate", "0.001", "--max_predictions_per_seq", str(args.max_pred),
+              "--skip_checkpoint", "--disable_progress_bar", "--no_cuda", "--deepspeed",
+              "--deepspeed_config", str(ds_config), "--max_steps", str(args.steps)]
+    summary = run_pretraining.main(common + ["--output_dir", str(work / "out"), "--log_freq", str(args.steps),
+                                             "--json-summary", str(work / "driver.json")])
+    return args.steps / summary["raw_train_time"]
+
+
+def time_plain_loop(args, arrays) -> float:
+    """Steps/s of forward + loss + backward + LANS + scheduler on batches already in memory."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_json_file(MODEL_CONFIG))
+    if args.bf16:
+        model = model.to(torch.bfloat16)
+    optimizer = build_optimizer("lans", get_parameter_groups(model), 0.001)
+    scheduler = PolyWarmUpScheduler(optimizer, warmup=0.01, total_steps=args.steps)
+    criterion = BertPretrainingCriterion()
+    batches = []
+    for step in range(args.steps):
+        rows = {k: v[step * args.micro:(step + 1) * args.micro] for k, v in arrays.items()}
+        labels = np.full(rows["input_ids"].shape, -1, dtype=np.int64)
+        np.put_along_axis(labels, rows["masked_lm_positions"], rows["masked_lm_ids"], 1)
+        batches.append([torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in
+                        (rows["input_ids"], rows["segment_ids"], rows["input_mask"], labels,
+                         rows["next_sentence_labels"])])
+    start = time.perf_counter()
+    for input_ids, segment_ids, input_mask, labels, nsp in batches:
+        scores, nsp_scores = model(input_ids, segment_ids, input_mask, masked_lm_labels=labels)
+        loss = criterion(scores, nsp_scores, labels, nsp)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        float(loss.detach())  # the driver synchronises on the loss once per step too
+    return args.steps / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro", type=int, default=32)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--max_pred", type=int, default=20)
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+    arrays = synthetic_arrays(args.micro * args.steps, args.seq_len, args.max_pred, 30522)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "shards").mkdir()
+        write_shard(work / "shards" / "bench_training_0.hdf5", arrays)
+        driver = time_driver(args, work)
+    plain = time_plain_loop(args, arrays)
+    precision = "bf16" if args.bf16 else "fp32"
+    print(f"threads={torch.get_num_threads()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+          f"micro={args.micro} seq_len={args.seq_len} steps={args.steps} {precision} ZeRO-{args.stage}")
+    print(f"{'loop':<40}{'steps/s':>10}")
+    print(f"{'run_pretraining.py (DeepSpeed)':<40}{driver:>10.3f}")
+    print(f"{'plain PyTorch loop (no DeepSpeed)':<40}{plain:>10.3f}")
+    print(f"driver / plain = {driver / plain:.3f}  (overhead {100 * (plain / driver - 1):.1f}% time per step)")
+
+
+if __name__ == "__main__":
+    main()
