@@ -14,6 +14,7 @@ SIGKILLs the process at the n-th <event> (see KILL_EVENTS), then runs the driver
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import h5py
+import psutil
 import pytest
 import torch
 
@@ -371,6 +373,71 @@ MATRIX = [(world, stage, bf16) for world in (1, 2) for stage in (0, 1, 2) for bf
                          ids=[f"{w}rank-zero{s}-{'bf16' if b else 'fp32'}" for w, s, b in MATRIX])
 def test_kill_stop_resume_matrix(tmp_path, shards, references, world, stage, bf16):
     kill_stop_resume(tmp_path, shards, references, world, stage, bf16)
+
+
+# ============================================================================ preemption, world size (slow)
+
+def child_pid(runner_pid: int, rank=None) -> int:
+    """pid of rank `rank` under the `deepspeed` runner, or of the per-node launcher for rank None."""
+    for child in psutil.Process(runner_pid).children(recursive=True):
+        command = " ".join(child.cmdline())
+        if rank is None and "deepspeed.launcher.launch" in command:
+            return child.pid
+        if rank is not None and str(THIS_FILE) in command and child.environ().get("RANK") == str(rank):
+            return child.pid
+    raise AssertionError(f"no {'launcher' if rank is None else f'rank {rank}'} under {runner_pid}")
+
+
+def send_sigterm(process: subprocess.Popen, target: str) -> None:
+    if target == "process_group":  # a terminal's Ctrl-C or a batch scheduler: every process gets it
+        os.killpg(process.pid, signal.SIGTERM)
+    else:
+        os.kill(child_pid(process.pid, None if target == "node_launcher" else 1), signal.SIGTERM)
+
+
+# Exit status of the `deepspeed` runner. It installs no handler on one node, so SIGTERM to it kills
+# only itself (the ranks still finish: they got the signal too). deepspeed.launcher.launch forwards
+# SIGTERM to the ranks, waits for them, then exits 1 (deepspeed/launcher/launch.py, sigkill_handler).
+RUNNER_STATUS = {"process_group": -signal.SIGTERM, "node_launcher": 1, "rank1": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", sorted(RUNNER_STATUS))
+def test_preemption_saves_and_resumes_exactly(tmp_path, shards, references, target):
+    """SIGTERM after step 3 to every process of the job, to DeepSpeed's per-node launcher (which
+    forwards it to the ranks) or to rank 1 only: all ranks finish the step, save a checkpoint and
+    exit cleanly; the resumed run then matches the uninterrupted one."""
+    world, stage, bf16, steps = 2, 1, True, 30
+    config, out = ds_config(tmp_path, stage, bf16, world), tmp_path / "out"
+    process = start(driver_args(shards, out, config, tmp_path / "a.json", steps), world)
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if "Training Iteration: 3 " in line:
+            break
+    send_sigterm(process, target)
+    status, rest = finish(process)
+    output = "".join(seen) + rest
+    stopped = re.search(r"stopping after step (\d+)", output)
+    assert stopped and 3 <= int(stopped.group(1)) < steps, output[-3000:]
+    stopped = int(stopped.group(1))
+    assert f"saved checkpoint {stopped}" in output and "stopped_by_signal : True" in output
+    assert "Traceback" not in output and status == RUNNER_STATUS[target], output[-3000:]
+    assert (out / "latest").read_text() == str(stopped)
+    resumed = run(driver_args(shards, out, config, tmp_path / "b.json", steps), world)
+    assert f"resumed from checkpoint {stopped}" in resumed
+    assert_same_training(references.get(world, stage, bf16, steps), [output, resumed], out / str(steps), steps)
+
+
+@pytest.mark.slow
+def test_world_size_change_is_refused(tmp_path, shards, references):
+    _, tag_dir = references.get(1, 1, True, 24)
+    out = tmp_path / "out"
+    shutil.copytree(tag_dir.parent, out)
+    config = ds_config(tmp_path, 1, True, 2)
+    output = run(driver_args(shards, out, config, tmp_path / "a.json", 30), 2, expect=1)
+    assert re.search(r"error: checkpoint .*24 was saved by 1 data-parallel ranks but this run has 2", output)
+    assert checkpoint_differences(tag_dir, out / "24") == []
 
 
 if __name__ == "__main__":
