@@ -17,6 +17,7 @@ loop (`train`) -> final checkpoint and summary.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -183,6 +184,9 @@ def load_deepspeed_config(args, world_size: int) -> dict:
     if args.optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
         raise InputError(f"{args.deepspeed_config}: ZeRO with --optimizer {args.optimizer} needs "
                          '"zero_allow_untested_optimizer": true')
+    if config.get("tensorboard", {}).get("enabled") and importlib.util.find_spec("tensorboard") is None:
+        raise InputError(f"{args.deepspeed_config} enables TensorBoard but the tensorboard package is not installed "
+                         "(pip install tensorboard, or set tensorboard.enabled to false)")
     if args.optimizer is None and "optimizer" not in config:
         raise InputError(f"no optimizer: pass --optimizer or add an optimizer section to {args.deepspeed_config}")
     return config
@@ -593,7 +597,9 @@ def build_profiler(args, results_dir: Path):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     trace_dir = results_dir / "profile"
     return torch.profiler.profile(
-        activities=activities, schedule=torch.profiler.schedule(wait=start, warmup=0, active=end - start + 1, repeat=1),
+        # One warm-up step before the traced ones when there is one (the reference uses none).
+        activities=activities, schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=min(start, 1),
+                                                                active=end - start + 1, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)), with_stack=args.profile == "pt-full")
 
 

@@ -3,6 +3,7 @@
 Multi-rank runs through the real launcher are in test_driver_multirank.py (slow).
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -284,3 +285,67 @@ def test_help_says_which_flags_do_nothing(capsys):
     assert "these do nothing" in text
     for flag in ("--bert_model", "--num_train_epochs", "--do_train", "--loss_scale"):
         assert flag in text
+
+
+def test_tensorboard_without_its_package_is_a_clear_error(tmp_path, tiny_shards, capsys):
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", tensorboard={"enabled": True, "output_path": str(tmp_path)})
+    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)) == 1
+    assert "enables TensorBoard but the tensorboard package is not installed" in capsys.readouterr().err
+
+
+# ============================================================================ phase 2, init checkpoint, profiler
+
+def test_phase2_resets_step_counters_and_schedule_but_keeps_moments(tmp_path, tiny_shards, monkeypatch):
+    _, _, output_dir = run(tmp_path, tiny_shards, max_steps=3)
+    seen = {}
+    original = rp.start_phase2
+
+    def observe(engine, optimizer, fresh_schedule):
+        seen["steps_before"] = [g["step"] for g in optimizer.param_groups]
+        original(engine, optimizer, fresh_schedule)
+        seen["steps_after"] = [g["step"] for g in optimizer.param_groups]
+        seen["moments_nonzero"] = any(s["exp_avg"].abs().sum() > 0 for s in optimizer.state.values())
+        seen["lr"] = optimizer.param_groups[0]["lr"]
+
+    monkeypatch.setattr(rp, "start_phase2", observe)
+    (tmp_path / "dllogger.json").unlink()
+    summary, json_summary, _ = run(tmp_path, tiny_shards, max_steps=4, warmup_proportion=0.5, learning_rate=0.004,
+                                   phase2=True, phase1_end_step=3, resume_from_checkpoint=True, log_freq=1)
+    assert seen["steps_before"] == [3, 3] and seen["steps_after"] == [0, 0] and seen["moments_nonzero"]
+    # Phase 2's own schedule restarts: step 1 of 4 with warm-up 0.5 -> lr = 0.004 * (1/4) / 0.5.
+    assert seen["lr"] == pytest.approx(0.002)
+    assert summary["global_step"] == 4
+    assert (output_dir / "latest").read_text().strip() == "7"  # phase-2 tags continue after phase 1's
+
+
+def test_phase2_from_the_wrong_step_is_an_error(tmp_path, tiny_shards, capsys):
+    run(tmp_path, tiny_shards, max_steps=2)
+    ds_config = tmp_path / "ds.json"
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "checkpoints", ds_config, phase2=True, phase1_end_step=7,
+                               resume_from_checkpoint=True)
+    assert rp.cli(argv) == 1
+    assert "checkpoint 2 is at step 2, but --phase1_end_step is 7" in capsys.readouterr().err
+
+
+def test_init_checkpoint_loads_weights_with_a_fresh_optimizer(tmp_path, tiny_shards, monkeypatch):
+    _, _, first_dir = run(tmp_path / "first", tiny_shards, max_steps=2)
+    saved = torch.load(first_dir / "2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    # The model main builds holds the checkpoint's weights (bf16 there, cast to fp32 here).
+    args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "second", first_dir.parent / "ds.json",
+                                                  init_checkpoint=first_dir / "2"))
+    weights = rp.build_model(args, rp.BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG)).state_dict()
+    assert set(saved) == set(weights)
+    assert all(torch.equal(weights[k], saved[k].float()) for k in saved)
+    # ... and the run starts at step 0 with a fresh optimizer.
+    captured = capture_engine(monkeypatch)
+    summary, _, _ = run(tmp_path / "second", tiny_shards, max_steps=1, init_checkpoint=first_dir / "2")
+    assert summary["global_step"] == 1
+    assert [g["step"] for g in captured["optimizer"].param_groups] == [1, 1]
+
+
+def test_profiler_writes_a_trace_of_the_chosen_steps(tmp_path, tiny_shards):
+    run(tmp_path, tiny_shards, max_steps=3, profile="pt", profile_steps="1,1", skip_checkpoint=True)
+    traces = list((tmp_path / "profile").glob("*.pt.trace.json*"))
+    assert len(traces) == 1

@@ -1,0 +1,108 @@
+"""scripts/run_bert_*.sh: the reference's arguments and launcher form, HL_* overrides, early failures.
+
+A stub `deepspeed` first on PATH records the command line instead of launching anything.
+"""
+
+import os
+import shlex
+import subprocess
+
+import pytest
+
+import helpers
+
+SCRIPTS = helpers.REPO_ROOT / "scripts"
+
+
+@pytest.fixture
+def stub_launcher(tmp_path):
+    """A `deepspeed` executable that writes its arguments, one per line, to tmp_path/args."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "deepspeed"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {shlex.quote(str(tmp_path / "args"))}\n')
+    stub.chmod(0o755)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HL_DATA_DIR=str(data_dir),
+               HL_RESULTS_DIR=str(tmp_path / "results"))
+    return env, tmp_path
+
+
+def launch(script, env):
+    return subprocess.run(["bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script,nodes,max_steps,per_cp,log_freq,config,ds_config,extra", [
+    ("run_bert_1.5b_8x.sh", "1", "155000", "200", "10", "bert_1.5b_config.json", "deepspeed_config_bert_1.5b.json", []),
+    ("run_bert_1.5b_32x.sh", "4", "155000", "200", "10", "bert_1.5b_config.json", "deepspeed_config_bert_1.5b.json", []),
+    ("run_bert_5b_128x.sh", "16", "75000", "120", "1", "bert_5b_config.json", "deepspeed_config_bert_5b.json",
+     ["--checkpoint_activations"]),
+])
+def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, max_steps, per_cp, log_freq, config,
+                                                ds_config, extra):
+    env, tmp_path = stub_launcher
+    result = launch(script, env)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    python_at = args.index("python")
+    launcher, program = args[:python_at], args[python_at:]
+    assert launcher[:6] == ["--num_nodes", nodes, "--num_gpus", "8", "--no_local_rank", "--no_python"]
+    if nodes != "1":  # several servers: the hostfile and the first host as master
+        assert launcher[6:] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101"]
+    assert program[:3] == ["python", "-u", "./run_pretraining.py"]
+    for expected in ("--use_hpu", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
+                     "--seed=12439", "--max_seq_length=128", "--max_predictions_per_seq=20",
+                     "--learning_rate=0.0015", "--warmup_proportion=0.05", "--constant_proportion=0.25",
+                     "--scheduler_degree=1.0", f"--max_steps={max_steps}", "--steps_this_run=-1",
+                     f"--num_steps_per_checkpoint={per_cp}", f"--log_freq={log_freq}",
+                     f"--config_file={SCRIPTS / config}", f"--deepspeed_config={SCRIPTS / ds_config}", *extra):
+        assert expected in program, expected
+
+
+def test_hl_overrides_reach_the_command(stub_launcher):
+    env, tmp_path = stub_launcher
+    env.update(HL_NUM_NODES="1", HL_NGPU_PER_NODE="2", HL_DEVICE="cpu", HL_MAX_STEPS="7", HL_RUN_STEPS="3",
+               HL_CHECKPOINTS_DIR=str(tmp_path / "ckpt"))
+    assert launch("run_bert_1.5b_32x.sh", env).returncode == 0
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:6] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python"]
+    for expected in ("--no_cuda", "--max_steps=7", "--steps_this_run=3", f"--output_dir={tmp_path / 'ckpt'}"):
+        assert expected in args
+    assert "--use_hpu" not in args
+
+
+def test_missing_data_dir_fails_early_with_a_clear_message(stub_launcher):
+    env, tmp_path = stub_launcher
+    env["HL_DATA_DIR"] = str(tmp_path / "nowhere")
+    result = launch("run_bert_1.5b_8x.sh", env)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: data directory {tmp_path / 'nowhere'} does not exist (set "
+                                     "HL_DATA_DIR_ROOT or HL_DATA_DIR; build it with data/create_datasets_from_start.sh)")
+    assert not (tmp_path / "args").exists()
+
+
+def test_several_nodes_without_hostfile_fail_early(stub_launcher):
+    env, tmp_path = stub_launcher
+    env["HL_HOSTSFILE"] = str(tmp_path / "no_hostsfile")
+    result = launch("run_bert_5b_128x.sh", env)
+    assert result.returncode == 1 and "need a hostfile" in result.stderr
+
+
+@pytest.mark.parametrize("name,world,gas,stage", [("deepspeed_config_bert_1.5b.json", 8, 48, 1),
+                                                  ("deepspeed_config_bert_1.5b.json", 32, 12, 1),
+                                                  ("deepspeed_config_bert_5b.json", 128, 4, 2)])
+def test_reference_deepspeed_configs_are_accepted_by_stock_deepspeed(tmp_path, name, world, gas, stage):
+    import json
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    import run_pretraining as rp
+    config = json.loads((SCRIPTS / name).read_text())
+    config["tensorboard"]["enabled"] = False  # the tensorboard package is not a test dependency
+    (tmp_path / name).write_text(json.dumps(config))
+    config = rp.load_deepspeed_config(SimpleNamespace(deepspeed_config=str(tmp_path / name), optimizer="lans"), world)
+    assert config["gradient_accumulation_steps"] == gas  # 12288 = micro x GAS x world, as the reference
+    assert DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage  # no fork-only keys
+    assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0
