@@ -40,6 +40,7 @@ from data.shard_format import ShardWriter  # noqa: E402
 
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
 SHARD_SUFFIXES = (".hdf5", ".h5")
+READ_CHARS = 1 << 22  # characters read at a time
 TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the tokenizer's per-token Encoding objects
 MASK_BATCH_ROWS = 4096  # instances assembled and masked per numpy batch
 
@@ -89,35 +90,41 @@ def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
 def read_document_blocks(path, block_chars):
     """Yield lists of documents (lists of stripped non-empty lines) of about block_chars characters.
 
-    Raises InputError for binary, non-UTF-8 or text-free input.
+    Reads large chunks and groups lines with C-level helpers (the per-line Python loop was a
+    tenth of the run time). Raises InputError for binary, non-UTF-8 or text-free input.
     """
     with open(path, "rb") as f:
         if b"\0" in f.read(1 << 16):
             raise InputError(f"{path}: binary data (NUL bytes), not text")
-    documents, current, size, seen_text = [], [], 0, False
+    documents, current, size, yielded = [], [], 0, False
     try:
         with open(path, encoding="utf-8", errors="strict") as f:
-            for line_number, line in enumerate(f, 1):
-                if "\0" in line:
-                    raise InputError(f"{path}: binary data (NUL byte) on line {line_number}, not text")
-                line = line.strip()
-                if line:
-                    current.append(line)
-                    size += len(line)
-                    continue
-                if current:
-                    documents.append(current)
-                    current = []
-                if size >= block_chars:
-                    yield documents
-                    documents, size, seen_text = [], 0, True
+            tail = ""
+            while True:
+                chunk = f.read(READ_CHARS)
+                if "\0" in chunk:
+                    raise InputError(f"{path}: binary data (NUL bytes), not text")
+                lines = (tail + chunk).split("\n")
+                tail = lines.pop() if chunk else ""  # the last piece may be an incomplete line
+                for has_text, group in itertools.groupby((line.strip() for line in lines), key=bool):
+                    if has_text:
+                        current.extend(group)
+                    elif current:  # a blank line ends the current document
+                        documents.append(current)
+                        size += sum(map(len, current))
+                        current = []
+                        if size >= block_chars:
+                            yield documents
+                            documents, size, yielded = [], 0, True
+                if not chunk:
+                    break
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text ({err.reason})") from err
     if current:
         documents.append(current)
     if documents:
         yield documents
-    elif not seen_text:
+    elif not yielded:
         raise InputError(f"{path}: no text (empty input)")
 
 

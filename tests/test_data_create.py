@@ -281,3 +281,17 @@ def test_no_lower_case_keeps_case(tmp_path):
 def test_flags_are_validated():
     result = run_script("--input_file", "x", "--output_file", "y.hdf5", "--max_predictions_per_seq", 200, check=False)
     assert result.returncode == 2 and re.search(r"max_predictions_per_seq", result.stderr)
+
+
+def test_documents_are_read_across_chunk_boundaries(monkeypatch, tmp_path):
+    from data import create_pretraining_data
+
+    text = "First line.\r\n  second line  \n\n\n \t \nDoc two.\n\nDoc three, no final newline"
+    (tmp_path / "in.txt").write_bytes(text.encode("utf-8"))
+    expected = [[line.strip() for line in doc.strip().splitlines()]
+                for doc in re.split(r"\n\s*\n", text.replace("\r", ""))]
+    for read_chars in (1, 3, 7, 1 << 22):
+        monkeypatch.setattr(create_pretraining_data, "READ_CHARS", read_chars)
+        blocks = list(create_pretraining_data.read_document_blocks(tmp_path / "in.txt", block_chars=15))
+        assert [doc for block in blocks for doc in block] == expected
+        assert len(blocks) == 2  # a block closes at the first document end after 15 characters
