@@ -119,7 +119,7 @@ class ShardWriter:
 
 def write_shard(path, arrays):
     """Write ``arrays`` (SHARD_KEYS -> numpy array) as a gzip HDF5 file, atomically (see ShardWriter)."""
-    num_samples, seq_len, max_pred = _check_arrays(str(path), arrays)
+    _, seq_len, max_pred = _check_arrays(str(path), arrays)
     with ShardWriter(path, seq_len, max_pred) as writer:
         writer.append(arrays)
 

@@ -94,7 +94,6 @@ def test_truncation_matches_the_token_by_token_loop():
     cases = [(a, b, m) for a in range(1, 25) for b in range(1, 25) for m in (3, 9, 20, 30)]
     specs = np.array([(0, a, 0, b, 0) for a, b, _ in cases], dtype=np.int64)
     for (a, b, max_tokens), spec in zip(cases, specs):
-        truncate_pairs(spec[None, :].copy(), max_tokens, rng)  # shape check only
         one = spec[None, :].copy()
         truncate_pairs(one, max_tokens, rng)
         while a + b > max_tokens:
