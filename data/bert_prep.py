@@ -16,6 +16,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,7 +85,12 @@ def published_sha1(url):
             listing = response.read().decode("utf-8", "replace")
     except (urllib.error.URLError, ValueError, OSError):
         return None
-    return next((line.split()[0] for line in listing.splitlines() if line.endswith(" " + name)), None)
+    for line in listing.splitlines():
+        digest, _, listed = line.partition("  ")
+        # the "latest" directory lists its files under their dated names
+        if name in (listed.strip(), re.sub(r"^(\w+)-\d{8}-", r"\1-latest-", listed.strip())):
+            return digest
+    return None
 
 
 def sha1_of(path):

@@ -160,14 +160,15 @@ def dump_server():
 
 def test_download_resumes_and_verifies_the_published_sha1(tmp_path, dump_server):
     url, dump = dump_server
-    RangeHandler.files["enwiki-latest-sha1sums.txt"] = \
-        f"{hashlib.sha1(dump).hexdigest()}  enwiki-latest-pages-articles.xml.bz2\n".encode()
+    RangeHandler.files["enwiki-latest-sha1sums.txt"] = (  # as on the mirror: dated names in "latest"
+        f"{'1' * 40}  enwiki-20260101-pages-articles-multistream.xml.bz2\n"
+        f"{hashlib.sha1(dump).hexdigest()}  enwiki-20260101-pages-articles.xml.bz2\n").encode()
     dest = tmp_path / "download" / "wikicorpus_en" / "wikicorpus_en.xml.bz2"
     dest.parent.mkdir(parents=True)
     Path(f"{dest}.part").write_bytes(dump[:5000])  # an interrupted earlier download
     result = prep(tmp_path, "--action", "download", "--dataset", "wikicorpus_en", WIKI_DUMP_URL=url)
     assert result.returncode == 0, result.stderr
-    assert RangeHandler.ranges == ["bytes=5000-"]
+    assert RangeHandler.ranges == ["bytes=5000-"] and "SHA-1" not in result.stderr
     assert dest.read_bytes() == dump and bz2.decompress(dest.read_bytes()).startswith(b"<mediawiki")
 
 
@@ -216,3 +217,10 @@ def test_verify_reports_a_bad_shard(sample_run, tmp_path, problem):
         f"BAD {tmp_path}/copy/books_wiki_en_corpus_training_1.hdf5: {problem} (in rows 0..{rows - 1})"
         for rows in [len(h5py.File(tmp_path / "copy" / "books_wiki_en_corpus_training_1.hdf5", "r")["input_ids"])]]
     assert "total (3 good, 1 bad)" in result.stdout
+
+
+def test_download_refuses_a_dump_that_differs_from_the_published_sha1(tmp_path, dump_server):
+    url, _ = dump_server
+    RangeHandler.files["enwiki-latest-sha1sums.txt"] = f"{'2' * 40}  enwiki-20260101-pages-articles.xml.bz2\n".encode()
+    result = prep(tmp_path, "--action", "download", "--dataset", "wikicorpus_en", WIKI_DUMP_URL=url)
+    assert result.returncode == 1 and f"SHA-1 mismatch (expected {'2' * 40})" in result.stderr
