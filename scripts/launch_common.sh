@@ -82,5 +82,32 @@ launch_pretraining() {
     local command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
                    "${MULTINODE_ARGS[@]}" python -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
     echo "${command[*]}"
-    exec "${command[@]}"
+    run_forwarding_signals "${command[@]}"
+}
+
+# Run the launcher; SIGTERM/SIGINT to this script (e.g. a scheduler signalling only PID 1) are passed on.
+# On one node the deepspeed runner forwards nothing, and deepspeed.launcher.launch answers a signal by
+# terminating the ranks and exiting 1; so the local ranks are signalled directly: they finish their step,
+# save a checkpoint and exit 0, and the launcher then exits 0. With several nodes the runner forwards the
+# signal through pdsh.
+run_forwarding_signals() {
+    "$@" &
+    RUNNER_PID=$!
+    local status=0
+    trap forward_stop_request TERM INT
+    wait "$RUNNER_PID" || status=$?
+    while kill -0 "$RUNNER_PID" 2> /dev/null; do  # wait returns early when the trap fires
+        status=0
+        wait "$RUNNER_PID" || status=$?
+    done
+    exit "$status"
+}
+
+forward_stop_request() {
+    trap "" TERM INT
+    local launch_pid
+    for launch_pid in $(pgrep -P "$RUNNER_PID"); do
+        pkill -TERM -P "$launch_pid" || true  # the ranks: children of deepspeed.launcher.launch
+    done
+    if [[ "$NUM_NODES" != 1 ]]; then kill -TERM "$RUNNER_PID" 2> /dev/null || true; fi
 }
