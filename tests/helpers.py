@@ -62,6 +62,16 @@ def write_synthetic_shards(directory, sizes, seq_len=32, max_pred=5, vocab_size=
     return paths
 
 
+def corrupt_first_chunk(path, key="input_ids"):
+    """Overwrite the first compressed chunk of `key` with garbage: the header stays valid, reading fails."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        info = f[key].id.get_chunk_info(0)
+    with open(path, "r+b") as raw:
+        raw.seek(info.byte_offset)
+        raw.write(b"\xff" * info.size)
+
+
 def sample_uid(input_ids) -> list:
     """The sample numbers written by write_synthetic_shards, from a batch's input_ids."""
     return [int(x) - 1000 for x in input_ids[:, 1]]

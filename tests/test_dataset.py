@@ -152,18 +152,9 @@ def test_token_id_beyond_vocab_names_file_and_sample(tmp_path):
     iterator.close()
 
 
-def corrupt_data_chunk(path):
-    """Overwrite the first compressed chunk of input_ids with garbage; the header stays valid."""
-    with h5py.File(path, "r") as f:
-        info = f["input_ids"].id.get_chunk_info(0)
-    with open(path, "r+b") as raw:
-        raw.seek(info.byte_offset)
-        raw.write(b"\xff" * info.size)
-
-
 def test_corrupt_shard_mid_epoch_is_an_error_naming_it(tmp_path):
     paths = helpers.write_synthetic_shards(tmp_path, [8, 8, 8])
-    corrupt_data_chunk(paths[2])
+    helpers.corrupt_first_chunk(paths[2])
     scan_shards(tmp_path)  # the header is fine: the damage is only found when the rows are read
     reader = make_readers(tmp_path, 1, 4, shuffle=False)[0]
     iterator = RankBatches(reader, 0, 1, 4, 0)
@@ -175,7 +166,7 @@ def test_corrupt_shard_mid_epoch_is_an_error_naming_it(tmp_path):
 
 def test_skip_bad_shards_drops_and_counts_the_shard(tmp_path):
     paths = helpers.write_synthetic_shards(tmp_path, [8, 8, 8])
-    corrupt_data_chunk(paths[1])
+    helpers.corrupt_first_chunk(paths[1])
     reader = make_readers(tmp_path, 1, 4, skip_bad_shards=True)[0]
     iterator = RankBatches(reader, 0, 1, 4, 0)
     uids = []

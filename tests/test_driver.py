@@ -278,6 +278,17 @@ def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
     assert not (tmp_path / "out").exists() and not (tmp_path / "log.json").exists()
 
 
+def test_corrupt_shard_mid_run_stops_naming_it_or_is_skipped_and_counted(tmp_path, capsys):
+    paths = helpers.write_synthetic_shards(tmp_path / "shards", [16, 16, 16])
+    helpers.corrupt_first_chunk(paths[1])
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", micro=8)
+    argv = helpers.driver_argv(tmp_path / "shards", tmp_path / "out", ds_config, max_steps=6, skip_checkpoint=True)
+    assert rp.cli(argv) == 1
+    assert re.search(rf"error: {paths[1]}: cannot read samples 0\.\.15", capsys.readouterr().err)
+    summary = rp.main(argv + ["--skip_bad_shards"])
+    assert summary["skipped_shards"] == 1 and summary["global_step"] == 6
+
+
 def test_help_says_which_flags_do_nothing(capsys):
     with pytest.raises(SystemExit):
         rp.parse_arguments(["--help"])
