@@ -146,9 +146,9 @@ def validate_args(args, world_size: int) -> tuple:
     if args.profile == "hltv" and not args.use_hpu:
         raise InputError("--profile hltv is the Habana profiler: it needs --use_hpu (use pt or pt-full elsewhere)")
     parse_profile_steps(args.profile_steps)
-    for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps"):
-        if getattr(args, name) <= 0:
-            raise InputError(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps", "checkpoint_activations_interval"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
     output_dir = Path(args.output_dir)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not args.resume_from_checkpoint:
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint or use an empty directory")
@@ -318,11 +318,15 @@ def build_engine(args, model, ds_config: dict):
     groups = get_parameter_groups(model)
     optimizer = scheduler = None
     if args.optimizer:
-        # adjust_step=False: no zero-gradient step ever reaches the optimizer (see optimizer_step_suppressed).
-        optimizer = build_optimizer(args.optimizer, groups, args.learning_rate, betas=args.betas, adjust_step=False)
-        if args.use_lr_scheduler:
-            scheduler = PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=int(args.max_steps),
-                                            degree=args.scheduler_degree, constant=args.constant_proportion)
+        try:
+            # adjust_step=False: no zero-gradient step ever reaches the optimizer (see optimizer_step_suppressed).
+            optimizer = build_optimizer(args.optimizer, groups, args.learning_rate, betas=args.betas, adjust_step=False)
+            if args.use_lr_scheduler:
+                scheduler = PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion,
+                                                total_steps=int(args.max_steps), degree=args.scheduler_degree,
+                                                constant=args.constant_proportion)
+        except ValueError as err:  # an impossible LR, betas or schedule
+            raise InputError(f"optimizer / LR schedule: {err}") from err
     with optimizer_step_suppressed(optimizer):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                model_parameters=None if optimizer else groups, config=ds_config)
@@ -428,11 +432,12 @@ class LogWindow:
     local_losses: list = field(default_factory=list)      # this rank's mean loss per optimizer step
     all_rank_losses: list = field(default_factory=list)   # the same averaged over ranks
     last_micro_loss: float = float("nan")
+    learning_rate: float = float("nan")
 
     def record(self, result):
         self.local_losses.append(result.local_loss)
         self.all_rank_losses.append(result.mean_loss)
-        self.last_micro_loss = result.last_micro_loss
+        self.last_micro_loss, self.learning_rate = result.last_micro_loss, result.learning_rate
 
 
 @dataclass
@@ -460,7 +465,7 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
     record = {"average_loss": sum(window.local_losses) / max(steps, 1),
               "all_ranks_average_loss": sum(window.all_rank_losses) / max(steps, 1),
               "step_loss": window.last_micro_loss,
-              "learning_rate": run.optimizer.param_groups[0]["lr"],
+              "learning_rate": window.learning_rate,  # applied by the last step (the reference: the next one's)
               "average_training_time_step": step_time,
               "average_perf_per_step": run.micro_batch * run.gas / step_time,
               "tokens_per_second": run.micro_batch * run.gas * run.world * run.seq_len / step_time,
@@ -476,6 +481,7 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
 
 @dataclass
 class StepResult:
+    learning_rate: float     # the LR this step applied (group 0)
     local_loss: float        # this rank's mean loss over the step's micro-batches
     mean_loss: float         # local_loss averaged over ranks
     last_micro_loss: float
@@ -501,13 +507,14 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
         losses.append(loss.detach().float())
         if micro == run.gas - 1:
             nonfinite, stop, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(), run.device)
+            learning_rate = run.optimizer.param_groups[0]["lr"]
         with optimizer_step_suppressed(run.optimizer) if micro == run.gas - 1 and nonfinite else nullcontext():
             engine.step()
         if profiler is not None:
             profiler.step()
     local_loss = float(torch.stack(losses).mean())
     finite = not nonfinite and engine.skipped_steps == skipped_before
-    return StepResult(local_loss, loss_sum / run.world, float(losses[-1]), finite, stop, batch.skipped_shards)
+    return StepResult(learning_rate, local_loss, loss_sum / run.world, float(losses[-1]), finite, stop, batch.skipped_shards)
 
 
 def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device) -> tuple:
@@ -593,7 +600,9 @@ def build_profiler(args, results_dir: Path):
         return None
     start, end = parse_profile_steps(args.profile_steps)
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available() and not args.no_cuda:
+    if args.use_hpu and hasattr(torch.profiler.ProfilerActivity, "HPU"):  # Habana's torch build
+        activities.append(torch.profiler.ProfilerActivity.HPU)
+    elif torch.cuda.is_available() and not args.no_cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     trace_dir = results_dir / "profile"
     return torch.profiler.profile(

@@ -132,6 +132,16 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     assert not unchanged and steps == [1, 1]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_step_k_applies_the_learning_rate_of_step_k(tmp_path, tiny_shards, stage):
+    """PolyWarmUp with T=4, warm-up 0.5, base 0.01, by hand: f(k) = k/2 for k <= 2, then (1 - k/4) / 0.5.
+    bf16 + ZeRO-0 is the configuration whose zero-gradient step at initialize would shift this by one."""
+    run(tmp_path, tiny_shards, stage=stage, bf16=True, max_steps=4, warmup_proportion=0.5, log_freq=1,
+        skip_checkpoint=True)
+    logged = [r["data"]["learning_rate"] for r in helpers.step_records(tmp_path / "dllogger.json")]
+    assert logged == pytest.approx([0.005, 0.01, 0.005, 0.0])
+
+
 def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
     import deepspeed.ops
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
@@ -238,6 +248,8 @@ BAD_INPUTS = {
     "hltv_without_hpu": (None, {"profile": "hltv"}, "needs --use_hpu"),
     "use_hpu_without_habana": (None, {"use_hpu": True, "no_cuda": False}, "--use_hpu needs the SynapseAI"),
     "too_many_predictions": (None, {"max_predictions_per_seq": 3}, "5 masked positions per sequence, more than"),
+    "impossible_schedule": (None, {"warmup_proportion": 1.5}, "optimizer / LR schedule: warmup must be"),
+    "fractional_log_freq": (None, {"log_freq": 0.5}, "--log_freq must be at least 1"),
 }
 
 
