@@ -58,9 +58,9 @@ def derive_seed(random_seed, shard_name):
 def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
     """Return (tokenizer, vocab_size, {special token: id}) for a BERT vocab.txt.
 
-    plain_ascii: a faster tokenizer for printable ASCII text only. On such text BERT's
-    normalisation (control-character removal, whitespace mapping, accent stripping, CJK spacing)
-    is a no-op but for lower-casing, so it is skipped; the tokens are the same as the full one's.
+    plain_ascii: a faster tokenizer without normalizer, for printable ASCII text that the caller
+    has lower-cased (if do_lower_case): on such text the rest of BERT's normalisation (control
+    characters, whitespace, accents, CJK spacing) is a no-op, so the tokens are the full one's.
     """
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import WordPiece
@@ -77,8 +77,6 @@ def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
     tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     if not plain_ascii:
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case, strip_accents=do_lower_case)
-    elif do_lower_case:
-        tokenizer.normalizer = normalizers.Lowercase()
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     missing = [token for token, token_id in special.items() if token_id is None]
@@ -128,20 +126,28 @@ def read_document_blocks(path, block_chars):
         raise InputError(f"{path}: no text (empty input)")
 
 
-def encode_lines(tokenizers, lines):
-    """WordPiece id lists of lines, in order; printable ASCII lines (most English text) take the fast tokenizer."""
-    full, plain_ascii = tokenizers
-    is_plain = [line.isascii() and line.isprintable() for line in lines]
-    ids = [None] * len(lines)
-    for plain, tokenizer in ((True, plain_ascii), (False, full)):
-        index = [i for i, flag in enumerate(is_plain) if flag is plain]
-        encodings = tokenizer.encode_batch_fast([lines[i] for i in index], add_special_tokens=False)
-        for i, encoding in zip(index, encodings):
-            ids[i] = encoding.ids
-    return ids
+class WordPieceEncoder:
+    """WordPiece ids of text lines: BERT's BasicTokenizer + WordPiece through Hugging Face tokenizers."""
+
+    def __init__(self, vocab_file, do_lower_case):
+        self.full, self.vocab_size, self.special = load_tokenizer(vocab_file, do_lower_case)
+        self.plain = load_tokenizer(vocab_file, do_lower_case, plain_ascii=True)[0]
+        self.do_lower_case = do_lower_case
+
+    def encode_lines(self, lines):
+        """Id lists of lines, in order. Printable ASCII lines (most English text) are lower-cased by
+        Python and skip the normalizer, a fifth of the tokenizer's time."""
+        is_plain = [line.isascii() and line.isprintable() for line in lines]
+        ids = [None] * len(lines)
+        for plain, tokenizer in ((True, self.plain), (False, self.full)):
+            index = [i for i, flag in enumerate(is_plain) if flag is plain]
+            batch = [lines[i].lower() if plain and self.do_lower_case else lines[i] for i in index]
+            for i, encoding in zip(index, tokenizer.encode_batch_fast(batch, add_special_tokens=False)):
+                ids[i] = encoding.ids
+        return ids
 
 
-def tokenize_documents(tokenizers, documents):
+def tokenize_documents(encoder, documents):
     """WordPiece ids of a block: (flat int32 array, per document the segment boundaries in it).
 
     Lines that tokenize to nothing are dropped, then documents left without segments.
@@ -149,7 +155,7 @@ def tokenize_documents(tokenizers, documents):
     lines = [line for document in documents for line in document]
     id_chunks, lengths = [], []
     for start in range(0, len(lines), TOKENIZE_BATCH_LINES):
-        ids = encode_lines(tokenizers, lines[start:start + TOKENIZE_BATCH_LINES])
+        ids = encoder.encode_lines(lines[start:start + TOKENIZE_BATCH_LINES])
         lengths.extend(map(len, ids))
         id_chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32))
     flat = np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.int32)
@@ -302,20 +308,20 @@ def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
                        "next_sentence_labels": batch[:, 4].astype(np.int8)})
 
 
-_TOKENIZERS = {}
+_ENCODERS = {}
 
 
-def cached_tokenizers(vocab_file, do_lower_case):
-    """((full tokenizer, vocab size, special ids), plain ASCII tokenizer), loaded once per process."""
+def cached_encoder(vocab_file, do_lower_case):
+    """The WordPieceEncoder of a vocab, loaded once per process (forked workers inherit it)."""
     key = (vocab_file, do_lower_case)
-    if key not in _TOKENIZERS:  # forked workers inherit the main process's
-        _TOKENIZERS[key] = (load_tokenizer(*key), load_tokenizer(*key, plain_ascii=True)[0])
-    return _TOKENIZERS[key]
+    if key not in _ENCODERS:
+        _ENCODERS[key] = WordPieceEncoder(*key)
+    return _ENCODERS[key]
 
 
 def create_shard(input_paths, output_path, settings, show_progress=False):
     """Build one shard from input text files; returns the number of instances written."""
-    (full, vocab_size, special), plain_ascii = cached_tokenizers(settings.vocab_file, settings.do_lower_case)
+    encoder = cached_encoder(settings.vocab_file, settings.do_lower_case)
     seed = derive_seed(settings.random_seed, Path(output_path).stem)
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     total_chars = sum(os.path.getsize(path) for path in input_paths)
@@ -324,10 +330,10 @@ def create_shard(input_paths, output_path, settings, show_progress=False):
                  disable=None if show_progress else True, mininterval=1.0) as progress:
         for path in input_paths:
             for documents in read_document_blocks(path, settings.block_chars):
-                flat, boundaries = tokenize_documents((full, plain_ascii), documents)
+                flat, boundaries = tokenize_documents(encoder, documents)
                 if boundaries:
                     specs = block_instance_specs(boundaries, settings, rng, np_rng)
-                    write_block(writer, flat, specs, settings, vocab_size, special, np_rng)
+                    write_block(writer, flat, specs, settings, encoder.vocab_size, encoder.special, np_rng)
                 progress.update(sum(len(line) + 1 for document in documents for line in document))
         if writer.num_samples == 0:
             raise InputError(f"{', '.join(map(str, input_paths))}: no tokens after WordPiece")
@@ -415,7 +421,7 @@ def _run_job(job_and_settings):
 
 
 def run(settings):
-    cached_tokenizers(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
+    cached_encoder(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
     jobs = plan_jobs(settings)
     todo = [job for job in jobs if settings.overwrite or not job[1].exists()]
     if len(todo) < len(jobs):
