@@ -4,30 +4,38 @@ Layout of one checkpoint (``<output_dir>/<tag>/``)::
 
     mp_rank_00_model_states.pt                 DeepSpeed: weights, LR scheduler, counters, client_state
     *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   DeepSpeed (ZeRO 1/2): optimizer partition of rank r
-    zero_to_fp32.py, zero_to_torch.py          DeepSpeed (ZeRO): consolidation scripts
     state_<r>.pt                               ours: per-rank state (RNG states), one per global rank
     complete.json                              ours: manifest, written last
 
 ``<output_dir>/latest`` holds the tag of the newest complete checkpoint (same format as DeepSpeed's,
-so ``zero_to_fp32.py`` and ``engine.load_checkpoint(dir)`` still find it).
+so DeepSpeed's ``zero_to_fp32.py``, which ZeRO saves copy into ``<output_dir>``, and
+``engine.load_checkpoint(dir)`` still find it).
 
 Commit protocol: a checkpoint exists only once its manifest exists. The manifest is written by rank 0
 after a barrier that follows every rank's writes, and ``latest`` is replaced only after the manifest.
 Both are written to a temporary name and renamed (``os.replace`` is atomic on POSIX), so a kill at any
 moment leaves ``latest`` naming a complete checkpoint, or leaves the previous ``latest`` untouched.
 
+Export for fine-tuning: consolidated_state_dict(output_dir, tag) gives the fp32 module weights
+(ZeRO-1/2: re-assembled from the per-rank optimizer partitions); from the shell:
+``python checkpointing.py export --output_dir D [--tag T] --out model.pt``.
+
 Trust: DeepSpeed 0.19.8 reads its own ``*_states.pt`` files with ``torch.load(weights_only=False)``
 (``TorchCheckpointEngine.load``), i.e. with full pickle, which can run arbitrary code. Load only
-checkpoints you (or someone you trust) wrote. Our ``state_<r>.pt`` files are read with
-``weights_only=True``.
+checkpoints you (or someone you trust) wrote. load_checkpoint and consolidated_state_dict route
+every read through torch.load(weights_only=True) instead, allowing only DeepSpeed's three plain
+classes (see _deepspeed_checkpoint_classes).
 """
 
+import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 import time
@@ -349,34 +357,40 @@ def find_resume_tag(output_dir, world_size: int, model_config: dict | None = Non
     - Otherwise the newest complete checkpoint, with a CheckpointWarning saying why.
     Raises CheckpointError when `latest` exists but no complete checkpoint does, and when the chosen
     checkpoint was saved with another world size or (if model_config is given) another model config."""
-    output_dir = Path(output_dir)
+    chosen = _choose_tag(Path(output_dir))
+    if chosen is not None:
+        tag, manifest = chosen
+        _check_compatible(Path(output_dir) / tag, manifest, world_size, model_config)
+        return tag
+    return None
+
+
+def _choose_tag(output_dir: Path) -> tuple[str, dict] | None:
+    """(tag, manifest) by the rules of find_resume_tag, before its compatibility checks."""
     if not output_dir.is_dir():
         return None
     complete, broken = _scan(output_dir)
     latest = _read_latest(output_dir)
     by_tag = dict(complete)
     if latest is not None and latest in by_tag:
-        chosen = latest
-    elif latest is not None:
+        return latest, by_tag[latest]
+    if latest is not None:
         reason = broken.get(latest) or _read_manifest(output_dir / latest)[1]
         if not complete:
             raise CheckpointError(f"no usable checkpoint in {output_dir}: `latest` names {latest!r}, "
                                   f"which is not usable ({reason}), and no other checkpoint is complete")
-        chosen = complete[0][0]
         warnings.warn(f"{output_dir}: `latest` names checkpoint {latest!r}, which is not usable "
-                      f"({reason}); resuming from the newest complete checkpoint {chosen!r}",
-                      CheckpointWarning, stacklevel=2)
-    elif complete:
-        chosen = complete[0][0]
+                      f"({reason}); resuming from the newest complete checkpoint {complete[0][0]!r}",
+                      CheckpointWarning, stacklevel=3)
+        return complete[0]
+    if complete:
         warnings.warn(f"{output_dir}: no `latest` file; resuming from the newest complete "
-                      f"checkpoint {chosen!r}", CheckpointWarning, stacklevel=2)
-    else:
-        if broken:
-            warnings.warn(f"{output_dir}: ignoring unfinished checkpoint(s) {broken} "
-                          f"(no checkpoint was ever completed)", CheckpointWarning, stacklevel=2)
-        return None
-    _check_compatible(output_dir / chosen, by_tag[chosen], world_size, model_config)
-    return chosen
+                      f"checkpoint {complete[0][0]!r}", CheckpointWarning, stacklevel=3)
+        return complete[0]
+    if broken:
+        warnings.warn(f"{output_dir}: ignoring unfinished checkpoint(s) {broken} "
+                      f"(no checkpoint was ever completed)", CheckpointWarning, stacklevel=3)
+    return None
 
 
 def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_optimizer_states: bool = True,
@@ -417,24 +431,25 @@ def _deepspeed_checkpoint_classes() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+def _load_weights_only(path, map_location="cpu"):
+    """torch.load(weights_only=True) with DeepSpeed's three classes allowed. A file needing anything
+    else is refused with the names of the classes it wants."""
+    with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            wanted = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            raise CheckpointError(f"{path}: refusing to unpickle {wanted} (only tensors, plain data and "
+                                  f"DeepSpeed's known checkpoint classes are loaded)") from exc
+
+
 @contextlib.contextmanager
 def _weights_only_loads(engine):
     """DeepSpeed's TorchCheckpointEngine.load calls torch.load(weights_only=False), i.e. full pickle.
     Every checkpoint read of engine.load_checkpoint goes through engine.checkpoint_engine.load, so
-    shadowing it on the instance makes those reads weights_only=True, with DeepSpeed's three classes
-    allowed. A file needing anything else is refused with the names of the classes it wants."""
+    shadowing it on the instance makes those reads weights_only=True (see _load_weights_only)."""
     checkpoint_engine = engine.checkpoint_engine
-
-    def load(path, map_location=None):
-        with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
-            try:
-                return torch.load(path, map_location=map_location, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                wanted = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                raise CheckpointError(f"{path}: refusing to unpickle {wanted} (only tensors, plain data and "
-                                      f"DeepSpeed's known checkpoint classes are loaded)") from exc
-
-    checkpoint_engine.load = load
+    checkpoint_engine.load = _load_weights_only
     try:
         yield
     finally:
@@ -456,3 +471,84 @@ def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:
     for tag in doomed:
         _delete_tag_dir(output_dir / tag)
     return doomed
+
+
+# --------------------------------------------------------------------------- export for fine-tuning
+
+def consolidated_state_dict(output_dir, tag=None) -> dict:
+    """fp32 module weights of a complete checkpoint, keyed as modeling.py's state_dict, for
+    fine-tuning or export; no engine or process group needed, every file read with weights_only=True.
+
+    tag None picks the checkpoint find_resume_tag would (any world size). ZeRO-1/2: the fp32 master
+    weights, re-assembled from every rank's optimizer partition. ZeRO-0: the module file's weights
+    (in a bf16 run these are the bf16 values, upcast)."""
+    output_dir = Path(output_dir)
+    if tag is None:
+        chosen = _choose_tag(output_dir)
+        if chosen is None:
+            raise CheckpointError(f"no checkpoint in {output_dir}")
+        tag = chosen[0]
+    tag_dir = output_dir / str(tag)
+    manifest, reason = _read_manifest(tag_dir)
+    if manifest is None:
+        raise CheckpointError(f"cannot export checkpoint {tag_dir}: {reason}")
+    model_states = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt")
+    module = model_states["module"]
+    partition_files = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                             key=lambda p: int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)))
+    if not partition_files:
+        return {name: value.detach().float() if value.is_floating_point() else value.detach()
+                for name, value in module.items()}
+    weights = _merge_zero_partitions(partition_files, model_states["param_shapes"])
+    for name, source in (model_states.get("shared_params") or {}).items():
+        weights[name] = weights[source]  # tied weights are stored once (e.g. the MLM decoder)
+    for name in module.keys() - weights.keys():
+        weights[name] = module[name].detach()  # buffers
+    return {name: weights[name] for name in module}
+
+
+def _merge_zero_partitions(partition_files: list, param_shapes: list) -> dict:
+    """ZeRO-1/2 layout: per param group, one flat fp32 vector cut in contiguous per-rank pieces;
+    parameters lie in it in param_shapes order, each followed by its alignment padding (if any)."""
+    states = [_load_weights_only(path)["optimizer_state_dict"] for path in partition_files]
+    counts = states[0]["partition_count"]
+    if max(counts if isinstance(counts, list) else [counts]) != len(states):
+        raise CheckpointError(f"{partition_files[0].parent}: {len(states)} optimizer partition files, "
+                              f"the checkpoint was partitioned {counts} ways")
+    paddings = states[0].get("param_alignment_paddings")
+    weights = {}
+    for group, shapes in enumerate(param_shapes):
+        flat = torch.cat([state["single_partition_of_fp32_groups"][group] for state in states])
+        offset = 0
+        for index, (name, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            weights[name] = flat[offset:offset + numel].view(shape).clone()
+            offset += numel + (paddings[group][index] if paddings else 0)
+        if offset > flat.numel():
+            raise CheckpointError(f"{partition_files[0].parent}: group {group} needs {offset} values, "
+                                  f"the partitions hold {flat.numel()}")
+    return weights
+
+
+def export_main(argv=None) -> int:
+    """`python checkpointing.py export --output_dir D [--tag T] --out model.pt`: one clear error
+    line and exit status 1 on failure."""
+    parser = argparse.ArgumentParser(description="Write a checkpoint's fp32 weights as a plain state dict.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="consolidated fp32 module weights -> torch.save file")
+    export.add_argument("--output_dir", required=True, help="the training run's --output_dir")
+    export.add_argument("--tag", default=None, help="checkpoint tag (default: the one resume would use)")
+    export.add_argument("--out", required=True, help="file to write (loadable with weights_only=True)")
+    args = parser.parse_args(argv)
+    try:
+        weights = consolidated_state_dict(args.output_dir, args.tag)
+        _write_atomically(Path(args.out).resolve(), lambda f: torch.save(weights, f))
+    except (CheckpointError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(weights)} tensors to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(export_main())

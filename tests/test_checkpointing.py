@@ -12,6 +12,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -406,3 +407,33 @@ def test_pickled_code_in_checkpoint_is_refused(two_checkpoints, tmp_path):
     assert not marker.exists()
     torch.load(path, weights_only=False)  # negative control: plain pickle does run it
     assert marker.exists()
+
+
+# --------------------------------------------------------------------------- export
+
+@pytest.mark.parametrize("stage,bf16", CONFIGS, ids=[f"zero{s}-{'bf16' if b else 'fp32'}" for s, b in CONFIGS])
+def test_consolidated_state_dict(tmp_path, stage, bf16):
+    engine = make_engine(seed=0, stage=stage, bf16=bf16)
+    train(engine, 2)
+    save(engine, tmp_path, 2)
+    weights = checkpointing.consolidated_state_dict(tmp_path)
+    module = {k: v.detach() for k, v in engine.module.state_dict().items()}
+    assert weights.keys() == module.keys()
+    assert all(v.dtype == torch.float32 for v in weights.values())
+    if stage == 0:  # the module file: fp32 weights, or the bf16 weights upcast
+        assert_tensors_equal(weights, {k: v.float() for k, v in module.items()})
+        return
+    # Independent reference: DeepSpeed's own zero_to_fp32 (full-pickle reader, our own file here).
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="2")
+    assert_tensors_equal(weights, {k: v.detach() for k, v in expected.items()})
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    assert_tensors_equal({k: v.to(dtype) for k, v in weights.items()}, module)
+
+
+def test_export_cli_errors_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(Path(checkpointing.__file__)), "export", "--output_dir",
+                             str(tmp_path / "none"), "--out", str(tmp_path / "w.pt")], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: no checkpoint in {tmp_path / 'none'}"
+    assert not (tmp_path / "w.pt").exists()

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers  # noqa: E402  (puts the repo root on sys.path)
 import checkpointing  # noqa: E402
+import modeling  # noqa: E402
 import run_pretraining  # noqa: E402
 from data.dataset import SampleStream, scan_shards  # noqa: E402
 from data.shard_format import ShardError  # noqa: E402
@@ -288,6 +289,29 @@ def test_resume_with_another_model_config_is_refused(tmp_path, shards):
                        match=r"another model config \(intermediate_size: checkpoint 512 vs run 256\)"):
         main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=tmp_path / "other.json"))
     assert (out / "latest").read_text() == "2"
+
+
+def test_export_for_fine_tuning(tmp_path, shards):
+    """`python checkpointing.py export` on a ZeRO-2 bf16 BERT checkpoint (tied decoder weight): the
+    fp32 master weights, equal to DeepSpeed's own zero_to_fp32, load into a fine-tuning model."""
+    config, out = ds_config(tmp_path, 2, True, 1), tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
+    result = subprocess.run([sys.executable, str(helpers.REPO_ROOT / "checkpointing.py"), "export", "--output_dir",
+                             str(out), "--out", str(tmp_path / "bert.pt")], capture_output=True, text=True,
+                            env=helpers.launcher_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    weights = torch.load(tmp_path / "bert.pt", weights_only=True)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(out), tag="2")
+    assert weights.keys() >= expected.keys()
+    assert all(torch.equal(weights[k], v.detach()) for k, v in expected.items())
+    model_config = modeling.BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG)
+    classifier = modeling.BertForSequenceClassification(model_config, num_labels=3)
+    missing, unexpected = classifier.load_state_dict(weights, strict=False)
+    assert missing and all(k.startswith("classifier.") for k in missing)
+    assert unexpected and all(k.startswith("cls.") for k in unexpected)
+    embeddings = classifier.bert.embeddings.word_embeddings.weight
+    assert torch.equal(embeddings.detach(), weights["bert.embeddings.word_embeddings.weight"])
 
 
 def corrupt_data_chunk(path: Path) -> None:
