@@ -79,13 +79,14 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _raise_if_any_rank_failed(error: str | None, what: str) -> None:
+def _raise_if_any_rank_failed(error: str | None, what: str, device) -> None:
     """Collective: every rank calls it. Acts as a barrier and turns one rank's failure into an
-    error on all ranks (a rank that raised alone would leave the others hanging in the next barrier)."""
+    error on all ranks (a rank that raised alone would leave the others hanging in the next barrier).
+    device: where the backend can reduce (the engine's device: nccl and hccl need device tensors)."""
     _, world = _rank_and_world()
     failed = int(error is not None)
     if world > 1:
-        flag = torch.tensor([failed], dtype=torch.int64)
+        flag = torch.tensor([failed], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         failed = int(flag.item())
     if error is not None:
@@ -96,7 +97,8 @@ def _raise_if_any_rank_failed(error: str | None, what: str) -> None:
 
 # --------------------------------------------------------------------------- atomic file writes
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (which makes the renames done inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -109,12 +111,8 @@ def _fsync_tree(directory: Path) -> None:
     disk could leave a 'complete' checkpoint with empty files. Cheap for pages already flushed."""
     for path in directory.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(directory)
+            _fsync_path(path)
+    _fsync_path(directory)
 
 
 def _write_atomically(path: Path, write_fn) -> None:
@@ -127,7 +125,7 @@ def _write_atomically(path: Path, write_fn) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync_path(path.parent)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
@@ -200,7 +198,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     rank, world = _rank_and_world()
     tag_dir = output_dir / tag
     _raise_if_any_rank_failed(_prepare_tag_dir(output_dir, tag) if rank == 0 else None,
-                              f"preparing checkpoint {tag_dir}")
+                              f"preparing checkpoint {tag_dir}", engine.device)
     error = None
     try:
         # save_latest=False: DeepSpeed would write `latest` non-atomically and before our manifest.
@@ -210,7 +208,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     except OSError as exc:
         error = f"cannot write checkpoint {tag_dir} on rank {rank}: {exc}"
     try:
-        _raise_if_any_rank_failed(error, f"writing checkpoint {tag_dir}")
+        _raise_if_any_rank_failed(error, f"writing checkpoint {tag_dir}", engine.device)
     except CheckpointError:
         if rank == 0:  # free the space of the half-written tag (it has no manifest, so is never used)
             shutil.rmtree(tag_dir, ignore_errors=True)
@@ -221,7 +219,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
             _commit(output_dir, tag, world, client_state)
         except OSError as exc:
             error = f"cannot commit checkpoint {tag_dir}: {exc}"
-    _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}")
+    _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}", engine.device)
 
 
 def _prepare_tag_dir(output_dir: Path, tag: str) -> str | None:
