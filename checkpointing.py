@@ -202,7 +202,8 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     error = None
     try:
         # save_latest=False: DeepSpeed would write `latest` non-atomically and before our manifest.
-        engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
+        with _file_object_saves(engine):
+            engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
         _write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
         _fsync_tree(tag_dir)
     except OSError as exc:
@@ -220,6 +221,36 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
         except OSError as exc:
             error = f"cannot commit checkpoint {tag_dir}: {exc}"
     _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}", engine.device)
+
+
+@contextlib.contextmanager
+def _shadowed(engine, method: str, replacement):
+    """Replace engine.checkpoint_engine.<method> on the instance for the duration, if it is DeepSpeed's
+    plain TorchCheckpointEngine (other checkpoint engines have their own I/O and are left alone)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    checkpoint_engine = engine.checkpoint_engine
+    if not isinstance(checkpoint_engine, TorchCheckpointEngine):
+        yield
+        return
+    setattr(checkpoint_engine, method, replacement)
+    try:
+        yield
+    finally:
+        delattr(checkpoint_engine, method)
+
+
+def _file_object_saves(engine):
+    """DeepSpeed's TorchCheckpointEngine.save calls torch.save(obj, path). On a full disk, torch's
+    zip writer then raises a RuntimeError ("unexpected pos ...") and leaves a torn file. Writing
+    through a file object instead gives OSError(ENOSPC), and the temporary name + rename leaves
+    each file whole or absent."""
+    zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
+
+    def save(state_dict, path):
+        _write_atomically(Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
+
+    return _shadowed(engine, "save", save)
 
 
 def _prepare_tag_dir(output_dir: Path, tag: str) -> str | None:
@@ -441,17 +472,11 @@ def _load_weights_only(path, map_location="cpu"):
                                   f"DeepSpeed's known checkpoint classes are loaded)") from exc
 
 
-@contextlib.contextmanager
 def _weights_only_loads(engine):
     """DeepSpeed's TorchCheckpointEngine.load calls torch.load(weights_only=False), i.e. full pickle.
     Every checkpoint read of engine.load_checkpoint goes through engine.checkpoint_engine.load, so
-    shadowing it on the instance makes those reads weights_only=True (see _load_weights_only)."""
-    checkpoint_engine = engine.checkpoint_engine
-    checkpoint_engine.load = _load_weights_only
-    try:
-        yield
-    finally:
-        del checkpoint_engine.load
+    shadowing it makes those reads weights_only=True (see _load_weights_only)."""
+    return _shadowed(engine, "load", _load_weights_only)
 
 
 def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:
