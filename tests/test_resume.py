@@ -373,8 +373,8 @@ def kill_stop_resume(tmp_path, shards, references, world, stage, bf16):
     across the boundary to the end."""
     global_batch = MICRO * world
     epoch_end_step = EPOCH_SAMPLES // global_batch  # the step after it straddles epochs 0 and 1
-    # 1 rank: first checkpoint at sample 12, 34 steps; 2 ranks: sample 8, 24 steps (as the preemption test).
-    steps, every = epoch_end_step + 14, 12 // global_batch
+    # First checkpoint at sample 12 (1 rank) or 16 (2 ranks); 34 or 24 steps (24: as the preemption test).
+    steps, every = epoch_end_step + 14, 3 if world == 1 else 2
     config = ds_config(tmp_path, stage, bf16, world)
     out, logs = tmp_path / "out", [tmp_path / f"run{i}.json" for i in range(3)]
     outputs = [run(driver_args(shards, out, config, logs[0], steps, num_steps_per_checkpoint=every), world,
