@@ -353,6 +353,18 @@ def test_corrupt_shard_met_mid_epoch(tmp_path, capsys, skip):
     assert "Training Iteration: 10 " in capsys.readouterr().out  # the error came mid-epoch
 
 
+def test_truncated_shard_is_named_before_training(tmp_path):
+    """A truncated HDF5 file cannot even be opened: the start-up header scan names it, before any
+    step and whatever --skip_bad_shards says (it skips shards that fail while training)."""
+    data = tmp_path / "data"
+    bad = helpers.write_synthetic_shards(data, SHARD_SIZES)[1]
+    os.truncate(bad, bad.stat().st_size // 2)
+    config = ds_config(tmp_path, 1, False, 1)
+    with pytest.raises(run_pretraining.InputError, match=rf"{re.escape(str(bad))}: cannot read as HDF5 .*truncated"):
+        main_in_process(driver_args(data, tmp_path / "out", config, tmp_path / "a.json", 4, skip_bad_shards=True))
+    assert not (tmp_path / "out" / "latest").exists()
+
+
 def test_read_only_output_dir_keeps_earlier_checkpoints(tmp_path, shards):
     config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
     main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 8, steps_this_run=4))
