@@ -74,13 +74,16 @@ def lans_reference(groups, grad_steps, lrs, betas=(0.9, 0.999), eps=1e-6, bias_c
 
 
 def make_problem(seed=0, shapes=((6, 5), (5,), (7,)), steps=4, zero_grad_tensor=None,
-                 none_grad=None, dtype=torch.float32, grad_scale=1.0):
+                 none_grad=None, dtype=torch.float32, grad_scale=1.0, zero_weight_tensor=None):
     """Weights of two groups (decay 0.01: shapes[0]; decay 0: the rest) and random gradients.
 
     zero_grad_tensor=(group, tensor): that gradient is all zeros on every step.
-    none_grad=(step, group, tensor): that gradient is None on that step."""
+    none_grad=(step, group, tensor): that gradient is None on that step.
+    zero_weight_tensor=index into shapes: that weight starts at zero, like a freshly initialised bias."""
     gen = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    if zero_weight_tensor is not None:
+        tensors[zero_weight_tensor].zero_()
     groups = [(tensors[:1], 0.01), (tensors[1:], 0.0)]
     grad_steps = []
     for step in range(steps):
@@ -127,6 +130,10 @@ CASES = {
     "max_grad_norm_not_reached": ({"max_grad_norm": 100.0, "eps": 0.1}, {}),
     "betas": ({"betas": (0.8, 0.95)}, {}),
     "flat_partition": ({}, {"shapes": ((4096,), (96,))}),
+    # ||w|| = 0 (zero-initialised biases and LayerNorm biases): both trust ratios are 1, not 0, or the
+    # tensor would never move.
+    "zero_weight_no_decay_bias": ({}, {"zero_weight_tensor": 1}),
+    "zero_weight_decayed": ({}, {"zero_weight_tensor": 0}),
 }
 
 

@@ -44,9 +44,12 @@ def nvlamb_reference(groups, grad_steps, lr, betas=(0.9, 0.999), eps=1e-6, bias_
     return weights
 
 
-def make_problem(steps=4, zero_grad_tensor=None):
+def make_problem(steps=4, zero_grad_tensor=None, zero_weight_tensor=None):
+    """zero_weight_tensor: index of a weight (0: decayed; 1, 2: no decay) that starts at zero."""
     gen = torch.Generator().manual_seed(1)
     tensors = [torch.randn(s, generator=gen) for s in ((6, 5), (5,), (7,))]
+    if zero_weight_tensor is not None:
+        tensors[zero_weight_tensor].zero_()
     groups = [(tensors[:1], 0.01), (tensors[1:], 0.0)]
     grad_steps = []
     for _ in range(steps):
@@ -97,6 +100,17 @@ def test_nvlamb_zero_gradient_tensor_with_use_nvlamb():
     params, _ = run_optimizer(lambda g: NVLAMB(g, lr=0.05, use_nvlamb=True), groups, grad_steps)
     expected = nvlamb_reference(groups, grad_steps, 0.05, use_nvlamb=True)
     torch.testing.assert_close(params[1][1].detach().double(), expected[1][1], rtol=0, atol=0)
+    for ps, ws in zip(params, expected):
+        for p, w in zip(ps, ws):
+            torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("options,zero_weight_tensor", [({}, 0), ({"use_nvlamb": True}, 1)])
+def test_nvlamb_zero_weight_tensor_gets_ratio_one(options, zero_weight_tensor):
+    """||w|| = 0 (a zero-initialised bias; a decayed weight): ratio 1, so the tensor moves off zero."""
+    groups, grad_steps = make_problem(zero_weight_tensor=zero_weight_tensor)
+    params, _ = run_optimizer(lambda g: NVLAMB(g, lr=0.05, **options), groups, grad_steps)
+    expected = nvlamb_reference(groups, grad_steps, 0.05, **options)
     for ps, ws in zip(params, expected):
         for p, w in zip(ps, ws):
             torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
