@@ -4,6 +4,7 @@ PyTorch loop with the same model, LANS and PolyWarmUp on in-memory batches, one 
     python bench/bench_driver.py                       # fp32, ZeRO-0
     python bench/bench_driver.py --bf16 --stage 1      # driver bf16 ZeRO-1 vs plain loop on a bf16 model
 
+Each loop runs --repeats times, interleaved, and the best is reported (the machine may be shared).
 Both sides time the same steps (the first one included, as the driver's raw_train_time does); model
 init, DeepSpeed initialize and shard writing are outside the timed window. Prints a table; asserts nothing.
 """
@@ -88,26 +89,34 @@ def time_plain_loop(args, arrays) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro", type=int, default=32)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--max_pred", type=int, default=20)
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each loop (best is reported)")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     arrays = synthetic_arrays(args.micro * args.steps, args.seq_len, args.max_pred, 30522)
+    driver_runs, plain_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        (work / "shards").mkdir()
-        write_shard(work / "shards" / "bench_training_0.hdf5", arrays)
-        driver = time_driver(args, work)
-    plain = time_plain_loop(args, arrays)
+        (Path(tmp) / "shards").mkdir()
+        write_shard(Path(tmp) / "shards" / "bench_training_0.hdf5", arrays)
+        for repeat in range(args.repeats):  # interleaved, best of each: the machine's load varies
+            work = Path(tmp) / f"run{repeat}"
+            work.mkdir()
+            (work / "shards").symlink_to(Path(tmp) / "shards")
+            driver_runs.append(time_driver(args, work))
+            plain_runs.append(time_plain_loop(args, arrays))
+    driver, plain = max(driver_runs), max(plain_runs)
     precision = "bf16" if args.bf16 else "fp32"
     print(f"threads={torch.get_num_threads()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
           f"micro={args.micro} seq_len={args.seq_len} steps={args.steps} {precision} ZeRO-{args.stage}")
     print(f"{'loop':<40}{'steps/s':>10}")
-    print(f"{'run_pretraining.py (DeepSpeed)':<40}{driver:>10.3f}")
-    print(f"{'plain PyTorch loop (no DeepSpeed)':<40}{plain:>10.3f}")
+    print(f"{'run_pretraining.py (DeepSpeed)':<40}{driver:>10.3f}   runs: {', '.join(f'{x:.3f}' for x in driver_runs)}")
+    print(f"{'plain PyTorch loop (no DeepSpeed)':<40}{plain:>10.3f}   runs: {', '.join(f'{x:.3f}' for x in plain_runs)}")
+    print(f"load average before: {load_before}, after: {os.getloadavg()}")
     print(f"driver / plain = {driver / plain:.3f}  (overhead {100 * (plain / driver - 1):.1f}% time per step)")
 
 
