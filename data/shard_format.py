@@ -73,13 +73,24 @@ class ShardWriter:
     def __enter__(self):
         fd, self._tmp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         os.close(fd)
-        os.chmod(self._tmp_name, 0o644)  # mkstemp creates 0600; shards are meant to be shared
-        self._file = h5py.File(self._tmp_name, "w")
-        for key, (dtype, rank, dim_name) in SHARD_KEYS.items():
-            tail = (self.widths[dim_name],) if rank == 2 else ()
-            self._file.create_dataset(key, shape=(0,) + tail, maxshape=(None,) + tail, dtype=dtype,
-                                      chunks=(self.chunk_rows,) + tail, **COMPRESSION)
+        try:
+            os.chmod(self._tmp_name, 0o644)  # mkstemp creates 0600; shards are meant to be shared
+            self._file = h5py.File(self._tmp_name, "w")
+            for key, (dtype, rank, dim_name) in SHARD_KEYS.items():
+                tail = (self.widths[dim_name],) if rank == 2 else ()
+                self._file.create_dataset(key, shape=(0,) + tail, maxshape=(None,) + tail, dtype=dtype,
+                                          chunks=(self.chunk_rows,) + tail, **COMPRESSION)
+        except BaseException:
+            self._discard()
+            raise
         return self
+
+    def _discard(self):
+        """Close and delete the temporary file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+        if os.path.exists(self._tmp_name):
+            os.unlink(self._tmp_name)
 
     def append(self, arrays):
         """Append rows; ``arrays`` maps every SHARD_KEYS key to an array with the same row count."""
@@ -93,6 +104,8 @@ class ShardWriter:
             self._flush(whole_chunks_only=True)
 
     def _flush(self, whole_chunks_only):
+        if not self._pending:
+            return
         merged = {key: np.concatenate([p[key] for p in self._pending]) for key in SHARD_KEYS}
         rows = len(merged["input_ids"])
         if whole_chunks_only:
@@ -108,12 +121,10 @@ class ShardWriter:
         try:
             if exc_type is None:
                 self._flush(whole_chunks_only=False)
-            self._file.close()
-            if exc_type is None:
+                self._file.close()
                 os.replace(self._tmp_name, self.path)
         finally:
-            if os.path.exists(self._tmp_name):
-                os.unlink(self._tmp_name)
+            self._discard()
         return False
 
 

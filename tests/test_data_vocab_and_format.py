@@ -90,3 +90,32 @@ def test_writer_appends_in_order(tmp_path):
     with h5py.File(tmp_path / "s.hdf5", "r") as f:
         for key in SHARD_KEYS:
             np.testing.assert_array_equal(f[key][:], np.concatenate([first[key], second[key]]))
+
+
+def test_writer_cleans_up_when_the_last_flush_fails(tmp_path, monkeypatch):
+    def failing_flush(self, whole_chunks_only):
+        raise OSError("disk full")
+
+    writer = ShardWriter(tmp_path / "s.hdf5", 8, 2)
+    with pytest.raises(OSError, match="disk full"):
+        with writer:
+            writer.append(arrays(n=1))
+            monkeypatch.setattr(ShardWriter, "_flush", failing_flush)
+    assert list(tmp_path.iterdir()) == [] and not writer._file.id.valid  # closed and deleted
+
+
+def test_writer_cleans_up_when_opening_fails(tmp_path, monkeypatch):
+    def failing_open(*args, **kwargs):
+        raise OSError("cannot create")
+
+    monkeypatch.setattr(h5py, "File", failing_open)
+    with pytest.raises(OSError, match="cannot create"):
+        with ShardWriter(tmp_path / "s.hdf5", 8, 2):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_with_no_rows_writes_an_empty_shard(tmp_path):
+    with ShardWriter(tmp_path / "s.hdf5", 8, 2):
+        pass
+    assert read_shard_header(tmp_path / "s.hdf5") == (0, 8, 2)
