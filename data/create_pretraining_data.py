@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import random
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data.shard_format import ShardWriter  # noqa: E402
+from data.shard_format import ShardError, ShardWriter  # noqa: E402
 
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
 SHARD_SUFFIXES = (".hdf5", ".h5")
@@ -403,21 +404,34 @@ def plan_jobs(settings):
     inputs = list_inputs(settings.input_file)
     output = Path(settings.output_file)
     if output.suffix in SHARD_SUFFIXES:
+        if output.is_dir():
+            raise InputError(f"--output_file {output} is an existing directory, not a shard file")
         jobs = [(inputs, output)]
     else:
+        if output.exists() and not output.is_dir():
+            raise InputError(f"--output_file {output} is an existing file, not a directory")
         jobs = [([path], output / f"{path.stem}.hdf5") for path in inputs]
     for _, path in jobs:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(path.parent, os.W_OK):
             raise InputError(f"output directory not writable: {path.parent}")
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a killed run
-            stale.unlink()
     return jobs
 
 
+def remove_stale_temporaries(jobs):
+    """Delete temporary files of these outputs left by a killed or failed run."""
+    for _, path in jobs:
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+
+
 def _run_job(job_and_settings):
+    """(output, instances, error message or None): a bad shard must not kill its siblings mid-write."""
     (inputs, output), settings, show_progress = job_and_settings
-    return output, create_shard(inputs, output, settings, show_progress)
+    try:
+        return output, create_shard(inputs, output, settings, show_progress), None
+    except (InputError, OSError, ShardError) as err:
+        return output, 0, str(err)
 
 
 def run(settings):
@@ -430,18 +444,21 @@ def run(settings):
     if workers > 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
     tasks = [(job, settings, workers <= 1) for job in todo]
-    total = 0
-    # disable=None: progress bars on terminals only, not in logs
-    with tqdm(total=len(tasks), unit="shard", desc="shards", disable=None if len(tasks) > 1 else True) as progress:
-        if workers > 1:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
-                for _, count in pool.imap_unordered(_run_job, tasks):
+    total, errors = 0, []
+    remove_stale_temporaries(todo)
+    try:
+        # disable=None: progress bars on terminals only, not in logs
+        with tqdm(total=len(tasks), unit="shard", desc="shards", disable=None if len(tasks) > 1 else True) as bar:
+            with multiprocessing.get_context("fork").Pool(workers) if workers > 1 else nullcontext() as pool:
+                for _, count, error in (pool.imap_unordered(_run_job, tasks) if pool else map(_run_job, tasks)):
                     total += count
-                    progress.update()
-        else:
-            for task in tasks:
-                total += _run_job(task)[1]
-                progress.update()
+                    errors += [error] if error else []
+                    bar.update()
+    finally:  # an interrupted pool kills its workers mid-write
+        remove_stale_temporaries(todo)
+    if errors:
+        more = f" (and {len(errors) - 1} more failed shard(s))" if len(errors) > 1 else ""
+        raise InputError(errors[0] + more)
     print(f"wrote {len(todo)} shard(s), {total} instances", file=sys.stderr)
     return total
 

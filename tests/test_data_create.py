@@ -293,3 +293,25 @@ def test_documents_are_read_across_chunk_boundaries(monkeypatch, tmp_path):
         blocks = list(create_pretraining_data.read_document_blocks(tmp_path / "in.txt", block_chars=15))
         assert [doc for block in blocks for doc in block] == expected
         assert len(blocks) == 2  # a block closes at the first document end after 15 characters
+
+
+def test_a_failing_shard_leaves_its_siblings_complete_and_no_temporary_files(corpus, tmp_path):
+    text_dir, out = tmp_path / "text", tmp_path / "out"
+    text_dir.mkdir()
+    (text_dir / "a.txt").write_text(corpus[0].read_text())
+    (text_dir / "b.txt").write_text("")
+    result = run_script("--input_file", text_dir, "--output_file", out, "--n_processes", 2, "--dupe_factor", 1,
+                        check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"create_pretraining_data.py: error: {text_dir}/b.txt: no text "
+                                                  "(empty input)"]
+    assert [p.name for p in out.iterdir()] == ["a.hdf5"]
+    assert read_shard(out / "a.hdf5")["input_ids"].shape[0] > 100
+
+
+def test_output_file_naming_an_existing_directory_is_an_error(corpus, tmp_path):
+    (tmp_path / "x.hdf5").mkdir()
+    result = run_script("--input_file", corpus[0], "--output_file", tmp_path / "x.hdf5", check=False)
+    assert result.returncode == 1
+    assert "is an existing directory, not a shard file" in result.stderr
+    assert list((tmp_path / "x.hdf5").iterdir()) == []
