@@ -86,16 +86,16 @@ def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
     return tokenizer, tokenizer.get_vocab_size(), special
 
 
-def read_document_blocks(path, block_chars):
-    """Yield lists of documents (lists of stripped non-empty lines) of about block_chars characters.
+def read_documents(path):
+    """Yield the documents (lists of stripped non-empty lines) of a text file.
 
-    Reads large chunks and groups lines with C-level helpers (the per-line Python loop was a
-    tenth of the run time). Raises InputError for binary, non-UTF-8 or text-free input.
+    Reads large chunks and groups lines with C-level helpers (a per-line Python loop was a tenth
+    of the run time). Raises InputError for binary or non-UTF-8 input.
     """
     with open(path, "rb") as f:
         if b"\0" in f.read(1 << 16):
             raise InputError(f"{path}: binary data (NUL bytes), not text")
-    documents, current, size, yielded = [], [], 0, False
+    current = []
     try:
         with open(path, encoding="utf-8", errors="strict") as f:
             tail = ""
@@ -109,21 +109,36 @@ def read_document_blocks(path, block_chars):
                     if has_text:
                         current.extend(group)
                     elif current:  # a blank line ends the current document
-                        documents.append(current)
-                        size += sum(map(len, current))
+                        yield current
                         current = []
-                        if size >= block_chars:
-                            yield documents
-                            documents, size, yielded = [], 0, True
                 if not chunk:
                     break
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text ({err.reason})") from err
     if current:
-        documents.append(current)
-    if documents:
-        yield documents
-    elif not yielded:
+        yield current
+
+
+def read_document_blocks(path, block_chars):
+    """Yield lists of documents of about block_chars characters, each with at least two documents
+    when the file has two (random-next sentences must come from another document of the block).
+
+    Raises InputError for binary, non-UTF-8 or text-free input.
+    """
+    held, documents, size = None, [], 0
+    for document in read_documents(path):
+        documents.append(document)
+        size += sum(map(len, document))
+        if size >= block_chars and len(documents) >= 2:
+            if held is not None:
+                yield held
+            held, documents, size = documents, [], 0
+    if held is not None and len(documents) < 2:  # a one-document tail joins the previous block
+        held, documents = held + documents, []
+    for block in (held, documents):
+        if block:
+            yield block
+    if held is None and not documents:
         raise InputError(f"{path}: no text (empty input)")
 
 

@@ -292,7 +292,28 @@ def test_documents_are_read_across_chunk_boundaries(monkeypatch, tmp_path):
         monkeypatch.setattr(create_pretraining_data, "READ_CHARS", read_chars)
         blocks = list(create_pretraining_data.read_document_blocks(tmp_path / "in.txt", block_chars=15))
         assert [doc for block in blocks for doc in block] == expected
-        assert len(blocks) == 2  # a block closes at the first document end after 15 characters
+
+
+@pytest.mark.parametrize("sizes, block_chars, expected_blocks", [
+    ([30, 5, 5, 40, 5], 20, [2, 3]),  # a one-document tail joins the previous block
+    ([30, 5, 5, 40, 5, 5], 20, [2, 2, 2]),
+    ([100], 20, [1]),  # a single document cannot be helped
+    ([5, 5, 5], 1000, [3]),
+])
+def test_blocks_hold_at_least_two_documents(tmp_path, sizes, block_chars, expected_blocks):
+    from data.create_pretraining_data import read_document_blocks
+
+    documents = [[f"d{i} " + "x" * (size - 3)] for i, size in enumerate(sizes)]
+    write_corpus(tmp_path / "in.txt", documents)
+    blocks = list(read_document_blocks(tmp_path / "in.txt", block_chars))
+    assert [len(block) for block in blocks] == expected_blocks
+    assert [doc for block in blocks for doc in block] == documents
+
+
+def test_small_blocks_still_give_half_random_next(corpus, tmp_path):
+    run_script("--input_file", corpus[0], "--output_file", tmp_path / "s.hdf5", "--block_chars", 1,
+               "--dupe_factor", 3)
+    assert 0.4 < read_shard(tmp_path / "s.hdf5")["next_sentence_labels"].mean() < 0.65
 
 
 def test_a_failing_shard_leaves_its_siblings_complete_and_no_temporary_files(corpus, tmp_path):
