@@ -5,6 +5,7 @@ a literal token-by-token truncation loop, and Python's round() for the number of
 """
 import gzip
 import os
+import random
 import re
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data.create_pretraining_data import WordPieceEncoder, truncate_pairs
+from data.create_pretraining_data import WordPieceEncoder, document_instances, truncate_pairs
 from data.shard_format import SHARD_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,6 +103,64 @@ def test_truncation_matches_the_token_by_token_loop():
                 b -= 1
         assert (one[0, 1], one[0, 3]) == (a, b)
         assert 0 <= one[0, 0] <= (spec[1] - a) and 0 <= one[0, 2] <= (spec[3] - b)
+
+
+def toy_documents(count=40, seed=3):
+    """Segment boundaries (flat token offsets) of documents of 1-12 segments of 1-40 tokens."""
+    rng = np.random.default_rng(seed)
+    documents, offset = [], 0
+    for _ in range(count):
+        lengths = rng.integers(1, 41, rng.integers(1, 13))
+        documents.append([offset] + (offset + np.cumsum(lengths)).tolist())
+        offset = documents[-1][-1]
+    return documents
+
+
+def test_a_and_real_next_b_tile_each_document_once_in_order():
+    """Unused segments of a random-next chunk are put back: A ranges and real-next B ranges
+    cover each document exactly once, in order (one pass, no truncation needed at 509 tokens)."""
+    documents = toy_documents()
+    rng = random.Random(5)
+    random_next = 0
+    for doc_index, bounds in enumerate(documents):
+        specs = []
+        document_instances(doc_index, documents, 509, 0.0, rng, specs)
+        position = bounds[0]
+        for a_start, a_len, b_start, b_len, label in specs:
+            assert a_start == position
+            position += a_len
+            if label == 0:
+                assert b_start == position
+                position += b_len
+            else:
+                assert not bounds[0] <= b_start < bounds[-1]  # B from another document
+                random_next += 1
+        assert position == bounds[-1]
+    assert random_next > 20
+
+
+def test_short_seq_prob_shortens_the_target_length():
+    documents = toy_documents(200)
+    mean_length = {}
+    for short_seq_prob in (0.0, 1.0):
+        specs = []
+        rng = random.Random(7)
+        for doc_index in range(len(documents)):
+            document_instances(doc_index, documents, 125, short_seq_prob, rng, specs)
+        lengths = np.array([a_len + b_len for _, a_len, _, b_len, _ in specs])
+        mean_length[short_seq_prob] = np.minimum(lengths, 125).mean()
+    # targets uniform in [2, 125] instead of 125: chunks stop earlier, pairs are much shorter
+    assert mean_length[1.0] < 0.75 * mean_length[0.0]
+
+
+def test_truncation_cuts_front_and_back_equally_often():
+    specs = np.tile(np.array([[1000, 100, 5000, 100, 0]], dtype=np.int64), (4000, 1))
+    truncate_pairs(specs, 100, np.random.default_rng(11))
+    assert (specs[:, 1] == 50).all() and (specs[:, 3] == 50).all()
+    front_a, front_b = specs[:, 0] - 1000, specs[:, 2] - 5000  # tokens cut from the front of A and B
+    for front in (front_a, front_b):
+        assert abs(front.mean() - 25) < 0.5 and front.std() > 2.5  # binomial(50, 1/2): mean 25, sd 3.5
+        assert 0 <= front.min() and front.max() <= 50
 
 
 def restore_originals(data):
