@@ -53,21 +53,53 @@ def perturbed_model(config, seed=0):
     return model.eval()
 
 
+class ReplayedDropout:
+    """Stands in for nn.Dropout.forward: one keep mask per module name, drawn on the module's first call and
+    reused by any other model with a module of that name, so two implementations see the same masks."""
+
+    def __init__(self, *models):
+        self.names = {id(module): name for model in models for name, module in model.named_modules()}
+        self.masks, self.calls = {}, []
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, module, x):
+        if not module.training or module.p == 0.0:
+            return x
+        name = self.names[id(module)]
+        self.calls.append(name)
+        if name not in self.masks:
+            self.masks[name] = (torch.rand(x.shape, generator=self.generator) >= module.p).to(x.dtype)
+        return x * self.masks[name] / (1.0 - module.p)
+
+
+def hidden_dropout_names(config):
+    """Digest 3.3: embeddings output, attention-output projection and FFN output of every layer."""
+    return ["bert.embeddings.dropout"] + [f"bert.encoder.layer.{i}.{part}.dropout"
+                                          for i in range(config.num_hidden_layers)
+                                          for part in ("attention.output", "output")]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # External reference: Hugging Face transformers (post-LN)
+
+
+def transformers_model(transformers, config):
+    """transformers.BertForPreTraining with the shape and dropout of `config` (randomly initialised)."""
+    hf_config = transformers.BertConfig(
+        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size, hidden_act="gelu", layer_norm_eps=1e-12,
+        max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
+        hidden_dropout_prob=config.hidden_dropout_prob,
+        attention_probs_dropout_prob=config.attention_probs_dropout_prob)
+    return transformers.BertForPreTraining(hf_config)
 
 
 def test_post_ln_matches_transformers_logits_and_keys():
     transformers = pytest.importorskip("transformers")
     config = small_config()
     model = perturbed_model(config)
-    hf_config = transformers.BertConfig(
-        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size, hidden_act="gelu", layer_norm_eps=1e-12,
-        max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    hf_model = transformers.BertForPreTraining(hf_config).eval()
+    hf_model = transformers_model(transformers, config).eval()
 
     ours, theirs = set(model.state_dict()), set(hf_model.state_dict())
     assert ours <= theirs, f"keys unknown to transformers: {sorted(ours - theirs)}"
@@ -90,6 +122,26 @@ def test_post_ln_matches_transformers_logits_and_keys():
     torch.testing.assert_close(sparse_mlm, expected.prediction_logits[labels != -1], atol=1e-5, rtol=0)
 
 
+def test_post_ln_dropout_placement_matches_transformers_with_the_same_masks(monkeypatch):
+    """Training mode, hidden dropout 0.5: both models run each dropout once and, given the same masks, agree."""
+    transformers = pytest.importorskip("transformers")
+    config = small_config(hidden_dropout_prob=0.5)
+    model = perturbed_model(config).train()
+    hf_model = transformers_model(transformers, config).train()
+    hf_model.load_state_dict(model.state_dict(), strict=False)
+    replay = ReplayedDropout(model, hf_model)
+    monkeypatch.setattr(torch.nn.Dropout, "forward", lambda module, x: replay(module, x))
+    input_ids, token_type_ids, attention_mask, _, _ = make_batch(config)
+    with torch.no_grad():
+        mlm, nsp = model(input_ids, token_type_ids, attention_mask)
+        assert replay.calls == hidden_dropout_names(config)
+        replay.calls.clear()
+        expected = hf_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    assert replay.calls == hidden_dropout_names(config)
+    torch.testing.assert_close(mlm, expected.prediction_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(nsp, expected.seq_relationship_logits, atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Independent float64 forward of the reference's pre-LN wiring (digest 3.2)
 
@@ -110,8 +162,17 @@ def reference_attention(q, k, v, additive_mask):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def reference_pre_ln_forward(p, config, input_ids, token_type_ids, attention_mask):
-    """The digest's equations, written from scratch on the state_dict tensors `p`."""
+def reference_pre_ln_forward(p, config, input_ids, token_type_ids, attention_mask, dropout_masks=None):
+    """The digest's equations, written from scratch on the state_dict tensors `p`.
+
+    dropout_masks: {module name: keep mask} for a training-mode forward, applied where digest 3.2-3.3 puts
+    hidden dropout (embeddings after their LayerNorm, attention and FFN outputs before the residual add).
+    """
+    def dropout(x, name):
+        if dropout_masks is None:
+            return x
+        return x * dropout_masks[name] / (1.0 - config.hidden_dropout_prob)
+
     def linear(x, name):
         return x @ p[name + ".weight"].T + p[name + ".bias"]
 
@@ -123,7 +184,7 @@ def reference_pre_ln_forward(p, config, input_ids, token_type_ids, attention_mas
     embedded = (p["bert.embeddings.word_embeddings.weight"][input_ids]
                 + p["bert.embeddings.position_embeddings.weight"][:seq_len]
                 + p["bert.embeddings.token_type_embeddings.weight"][token_type_ids])
-    x = layer_norm(embedded, "bert.embeddings.LayerNorm")
+    x = dropout(layer_norm(embedded, "bert.embeddings.LayerNorm"), "bert.embeddings.dropout")
     additive_mask = (1.0 - attention_mask[:, None, None, :].double()) * -10000.0
     r = 0.0  # the residual stream starts at zero
     for index in range(config.num_hidden_layers):
@@ -131,9 +192,10 @@ def reference_pre_ln_forward(p, config, input_ids, token_type_ids, attention_mas
         q, k, v = (linear(x, prefix + "attention.self." + n).view(batch, seq_len, heads, -1).transpose(1, 2)
                    for n in ("query", "key", "value"))
         context = reference_attention(q, k, v, additive_mask).transpose(1, 2).reshape(batch, seq_len, -1)
-        a = r + linear(context, prefix + "attention.output.dense")
+        a = r + dropout(linear(context, prefix + "attention.output.dense"), prefix + "attention.output.dropout")
         u = layer_norm(a, prefix + "attention.output.LayerNorm")
-        r = a + linear(reference_gelu(linear(u, prefix + "intermediate.dense")), prefix + "output.dense")
+        ffn = linear(reference_gelu(linear(u, prefix + "intermediate.dense")), prefix + "output.dense")
+        r = a + dropout(ffn, prefix + "output.dropout")
         x = layer_norm(r, prefix + "output.LayerNorm")
     pooled = torch.tanh(linear(x[:, 0], "bert.pooler.dense"))
     transformed = layer_norm(reference_gelu(linear(x, "cls.predictions.transform.dense")),
@@ -152,6 +214,25 @@ def test_pre_ln_matches_independent_float64_forward():
             model.state_dict(), config, input_ids, token_type_ids, attention_mask)
     torch.testing.assert_close(mlm, expected_mlm, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(nsp, expected_nsp, atol=1e-10, rtol=1e-10)
+
+
+def test_pre_ln_dropout_placement_matches_float64_forward_with_the_same_masks(monkeypatch):
+    """Training mode, hidden dropout 0.5: each dropout runs once, on the tensor digest 3.2-3.3 names."""
+    config = small_config(layer_norm_large_model=True, hidden_dropout_prob=0.5)
+    model = perturbed_model(config).double().train()
+    replay = ReplayedDropout(model)
+    monkeypatch.setattr(torch.nn.Dropout, "forward", lambda module, x: replay(module, x))
+    input_ids, token_type_ids, attention_mask, _, _ = make_batch(config)
+    with torch.no_grad():
+        mlm, nsp = model(input_ids, token_type_ids, attention_mask)
+        expected_mlm, expected_nsp = reference_pre_ln_forward(
+            model.state_dict(), config, input_ids, token_type_ids, attention_mask, dropout_masks=replay.masks)
+        without_dropout, _ = reference_pre_ln_forward(
+            model.state_dict(), config, input_ids, token_type_ids, attention_mask)
+    assert replay.calls == hidden_dropout_names(config)
+    torch.testing.assert_close(mlm, expected_mlm, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(nsp, expected_nsp, atol=1e-10, rtol=1e-10)
+    assert (mlm - without_dropout).abs().max() > 1e-2  # the masks do change the result
 
 
 def test_pre_ln_differs_from_post_ln_with_the_same_weights():
