@@ -92,6 +92,13 @@ def test_run_completes_and_logs_every_key(tmp_path, tiny_shards, stage, bf16):
     assert abs(steps[0]["data"]["average_loss"] - math.log(30522)) < 1.5
 
 
+def test_trains_on_shards_made_by_the_data_pipeline(tmp_path, pipeline_shards):
+    summary, json_summary, _ = run(tmp_path, pipeline_shards, micro=8, max_steps=3, log_freq=1, skip_checkpoint=True)
+    losses = [r["data"]["step_loss"] for r in helpers.step_records(json_summary)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert summary["training_tokens_per_second"] == pytest.approx(summary["training_sequences_per_second"] * 128)
+
+
 def test_reference_metrics_are_computed_as_the_reference_does(tmp_path, tiny_shards):
     """log_freq 2, GAS 2: average_loss is the mean of the window's per-step mean losses; step_loss the last
     micro-batch's loss; perf = micro x GAS / time per step (checked with the logged time)."""
