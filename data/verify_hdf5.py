@@ -81,7 +81,11 @@ def verify_shard(path, vocab_size, special):
     totals = {}
     with h5py.File(path, "r") as f:
         for start in range(0, num_samples, ROWS_PER_READ):
-            rows = {key: f[key][start:start + ROWS_PER_READ].astype(np.int64) for key in SHARD_KEYS}
+            try:
+                rows = {key: f[key][start:start + ROWS_PER_READ].astype(np.int64) for key in SHARD_KEYS}
+            except OSError as err:  # e.g. a corrupt compressed chunk
+                raise ShardError(f"{path}: cannot read rows {start}..{min(start + ROWS_PER_READ, num_samples) - 1} "
+                                 f"({err})") from err
             problem, stats = check_rows(rows, vocab_size, special)
             if problem:
                 raise ShardError(f"{path}: {problem} (in rows {start}..{start + len(rows['input_ids']) - 1})")

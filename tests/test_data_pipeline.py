@@ -224,3 +224,19 @@ def test_download_refuses_a_dump_that_differs_from_the_published_sha1(tmp_path, 
     RangeHandler.files["enwiki-latest-sha1sums.txt"] = f"{'2' * 40}  enwiki-20260101-pages-articles.xml.bz2\n".encode()
     result = prep(tmp_path, "--action", "download", "--dataset", "wikicorpus_en", WIKI_DUMP_URL=url)
     assert result.returncode == 1 and f"SHA-1 mismatch (expected {'2' * 40})" in result.stderr
+
+
+def test_verify_reports_a_corrupt_compressed_chunk_and_checks_the_other_shards(sample_run, tmp_path):
+    shutil.copytree(sample_run / PHASE_DIRS[1] / "books_wiki_en_corpus", tmp_path / "copy")
+    bad = tmp_path / "copy" / "books_wiki_en_corpus_test_0.hdf5"
+    with h5py.File(bad, "r") as f:
+        chunk = f["input_ids"].id.get_chunk_info(0)
+    with open(bad, "r+b") as raw:
+        raw.seek(chunk.byte_offset + chunk.size // 2)
+        raw.write(bytes(range(256)) * 4)
+    result = subprocess.run([sys.executable, str(REPO / "data" / "verify_hdf5.py"), str(tmp_path / "copy")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"BAD {bad}: cannot read rows 0..")
+    assert "total (3 good, 1 bad)" in result.stdout
