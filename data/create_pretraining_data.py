@@ -7,8 +7,8 @@ longer side at a random end, ``[CLS] A [SEP] B [SEP]``, 80/10/10 masking capped 
 ``max_predictions_per_seq``, instances shuffled). Output: the shard schema of data/shard_format.py.
 
 What differs from the reference, and why:
-- Memory is bounded: documents are read in blocks of about ``--block_chars`` characters and each
-  block is processed on its own. The random-next document, the document shuffle and the instance
+- Memory is bounded: documents are read in blocks of about ``--block_chars`` characters (and at
+  least two documents) and each block is processed on its own. The random-next document, the document shuffle and the instance
   shuffle are therefore drawn within a block (thousands of Wikipedia articles at the default size)
   instead of within the whole shard; otherwise the reference keeps every instance of a shard in RAM.
 - Each shard gets its own seed, derived from ``--random_seed`` and the shard's file name.
