@@ -171,18 +171,35 @@ class BertSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(batch, seq_len, hidden)
 
 
-class BertSelfOutput(nn.Module):
-    """Attention output projection added to the residual; returns (sum, LayerNorm(sum))."""
+class BertResidualOutput(nn.Module):
+    """Linear(in_features, h), dropout, added to the residual; returns (sum, LayerNorm(sum)).
 
-    def __init__(self, config: BertConfig):
+    The sub-layer output of both halves of a layer; HF's names for them are the two subclasses below.
+    """
+
+    def __init__(self, config: BertConfig, in_features: int):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, context, residual):
-        summed = residual + self.dropout(self.dense(context))
+    def forward(self, sublayer_output, residual):
+        summed = residual + self.dropout(self.dense(sublayer_output))
         return summed, self.LayerNorm(summed)
+
+
+class BertSelfOutput(BertResidualOutput):
+    """Attention output projection (h -> h): `layer.N.attention.output`."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config, config.hidden_size)
+
+
+class BertOutput(BertResidualOutput):
+    """FFN down-projection (intermediate_size -> h): `layer.N.output`."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config, config.intermediate_size)
 
 
 class BertAttention(nn.Module):
@@ -203,20 +220,6 @@ class BertIntermediate(nn.Module):
 
     def forward(self, hidden_states):
         return self.act(self.dense(hidden_states))
-
-
-class BertOutput(nn.Module):
-    """FFN down-projection added to the residual; returns (sum, LayerNorm(sum))."""
-
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, intermediate, residual):
-        summed = residual + self.dropout(self.dense(intermediate))
-        return summed, self.LayerNorm(summed)
 
 
 class BertLayer(nn.Module):
