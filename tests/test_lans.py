@@ -17,12 +17,9 @@ import pytest
 import torch
 
 from lans import LANS
+from optim_helpers import apply_steps, assert_weights_close, make_problem, norm, run_optimizer
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _norm(x):
-    return math.sqrt(float((x * x).sum()))
 
 
 def lans_reference(groups, grad_steps, lrs, betas=(0.9, 0.999), eps=1e-6, bias_correction=True,
@@ -40,7 +37,7 @@ def lans_reference(groups, grad_steps, lrs, betas=(0.9, 0.999), eps=1e-6, bias_c
         grads = [[None if g is None else g.double() for g in gs] for gs in grads]
         clip = 1.0
         if max_grad_norm > 0:
-            total = math.sqrt(sum(_norm(g) ** 2 for gs in grads for g in gs if g is not None))
+            total = math.sqrt(sum(norm(g) ** 2 for gs in grads for g in gs if g is not None))
             clip = max(total / max_grad_norm, 1.0)
         for gi, (_, decay) in enumerate(groups):
             if all(g is None for g in grads[gi]):
@@ -53,7 +50,7 @@ def lans_reference(groups, grad_steps, lrs, betas=(0.9, 0.999), eps=1e-6, bias_c
                     continue
                 w = weights[gi][ti]
                 g = g / clip
-                g_norm = _norm(g)
+                g_norm = norm(g)
                 g_hat = g / (g_norm + eps) if g_norm != 0 else g
                 m, v = moments[gi][ti]
                 m = beta1 * m + beta3 * g_hat
@@ -62,7 +59,7 @@ def lans_reference(groups, grad_steps, lrs, betas=(0.9, 0.999), eps=1e-6, bias_c
                 den = torch.sqrt(v / bc2) + eps
                 r = (m / bc1) / den + decay * w
                 c = g_hat / den + decay * w
-                w_norm, r_norm, c_norm = _norm(w), _norm(r), _norm(c)
+                w_norm, r_norm, c_norm = norm(w), norm(r), norm(c)
                 phi_r = w_norm / r_norm if (w_norm != 0 and r_norm != 0) else 1.0
                 phi_c = w_norm / c_norm if (w_norm != 0 and c_norm != 0) else 1.0
                 weight_r, weight_c = (beta3, beta1) if swap_betas else (beta1, beta3)
@@ -73,47 +70,8 @@ def lans_reference(groups, grad_steps, lrs, betas=(0.9, 0.999), eps=1e-6, bias_c
     return weights
 
 
-def make_problem(seed=0, shapes=((6, 5), (5,), (7,)), steps=4, zero_grad_tensor=None,
-                 none_grad=None, dtype=torch.float32, grad_scale=1.0, zero_weight_tensor=None):
-    """Weights of two groups (decay 0.01: shapes[0]; decay 0: the rest) and random gradients.
-
-    zero_grad_tensor=(group, tensor): that gradient is all zeros on every step.
-    none_grad=(step, group, tensor): that gradient is None on that step.
-    zero_weight_tensor=index into shapes: that weight starts at zero, like a freshly initialised bias."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
-    if zero_weight_tensor is not None:
-        tensors[zero_weight_tensor].zero_()
-    groups = [(tensors[:1], 0.01), (tensors[1:], 0.0)]
-    grad_steps = []
-    for step in range(steps):
-        per_group = []
-        for gi, (ws, _) in enumerate(groups):
-            gs = []
-            for ti, w in enumerate(ws):
-                g = (grad_scale * torch.randn(w.shape, generator=gen)).to(dtype)
-                if zero_grad_tensor == (gi, ti):
-                    g = torch.zeros_like(g)
-                if none_grad == (step, gi, ti):
-                    g = None
-                gs.append(g)
-            per_group.append(gs)
-        grad_steps.append(per_group)
-    return groups, grad_steps
-
-
 def run_lans(groups, grad_steps, lrs, **kwargs):
-    params = [[torch.nn.Parameter(w.clone()) for w in ws] for ws, _ in groups]
-    optimizer = LANS([{"params": ps, "weight_decay": decay} for ps, (_, decay) in zip(params, groups)],
-                     lr=lrs[0], **kwargs)
-    for grads, lr in zip(grad_steps, lrs):
-        for ps, gs in zip(params, grads):
-            for p, g in zip(ps, gs):
-                p.grad = None if g is None else g.clone()
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    return params, optimizer
+    return run_optimizer(lambda param_groups: LANS(param_groups, lr=lrs[0], **kwargs), groups, grad_steps, lrs)
 
 
 LRS = [0.05, 0.1, 0.02, 0.08]
@@ -144,10 +102,7 @@ def test_lans_matches_float64_reference(name):
     if options.pop("weight_decay", None) == "zero":
         groups = [(ws, 0.0) for ws, _ in groups]
     params, optimizer = run_lans(groups, grad_steps, LRS, **options)
-    expected = lans_reference(groups, grad_steps, LRS, **options)
-    for ps, ws in zip(params, expected):
-        for p, w in zip(ps, ws):
-            torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
+    assert_weights_close(params, lans_reference(groups, grad_steps, LRS, **options))
     assert [g["step"] for g in optimizer.param_groups] == [len(LRS)] * len(groups)
     assert all(type(g["step"]) is int for g in optimizer.param_groups)
 
@@ -166,10 +121,7 @@ def test_none_gradient_is_skipped_and_empty_group_keeps_its_step():
     groups, grad_steps = make_problem(steps=3, none_grad=(1, 0, 0))
     grad_steps[0][1][0] = None
     params, optimizer = run_lans(groups, grad_steps, LRS[:3])
-    expected = lans_reference(groups, grad_steps, LRS[:3])
-    for ps, ws in zip(params, expected):
-        for p, w in zip(ps, ws):
-            torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
+    assert_weights_close(params, lans_reference(groups, grad_steps, LRS[:3]))
     assert [g["step"] for g in optimizer.param_groups] == [2, 3]
 
 
@@ -200,13 +152,7 @@ def test_state_dict_round_trip_continues_identically(tmp_path, dtype):
     assert fresh.param_groups[0]["weight_decay"] == 0.01 and fresh.param_groups[0]["step"] == 2
     for state in fresh.state.values():
         assert state["exp_avg"].dtype == torch.float32
-    for grads, lr in zip(grad_steps[2:], LRS[2:]):
-        for ps, gs in zip(resumed, grads):
-            for p, g in zip(ps, gs):
-                p.grad = g.clone()
-        for group in fresh.param_groups:
-            group["lr"] = lr
-        fresh.step()
+    apply_steps(fresh, resumed, grad_steps[2:], LRS[2:])
     for ps, qs in zip(uninterrupted, resumed):
         for p, q in zip(ps, qs):
             assert p is not q and torch.equal(p, q)

@@ -8,11 +8,8 @@ import torch
 from torch import nn
 
 from lans import LANS
+from optim_helpers import assert_weights_close, make_problem, norm, run_optimizer
 from optimization import NVLAMB, OPTIMIZERS, build_optimizer, get_parameter_groups
-
-
-def _norm(x):
-    return math.sqrt(float((x * x).sum()))
 
 
 def nvlamb_reference(groups, grad_steps, lr, betas=(0.9, 0.999), eps=1e-6, bias_correction=True,
@@ -24,7 +21,7 @@ def nvlamb_reference(groups, grad_steps, lr, betas=(0.9, 0.999), eps=1e-6, bias_
     beta1, beta2 = betas
     for step, grads in enumerate(grad_steps, start=1):
         grads = [[g.double() for g in gs] for gs in grads]
-        total = math.sqrt(sum(_norm(g) ** 2 for gs in grads for g in gs))
+        total = math.sqrt(sum(norm(g) ** 2 for gs in grads for g in gs))
         clip = total / max_grad_norm if (max_grad_norm > 0 and total > max_grad_norm) else 1.0
         k = step - 1 if (adjust_step and step > 1) else step
         bc1, bc2 = (1 - beta1**k, 1 - beta2**k) if bias_correction else (1.0, 1.0)
@@ -38,38 +35,10 @@ def nvlamb_reference(groups, grad_steps, lr, betas=(0.9, 0.999), eps=1e-6, bias_
                 moments[gi][ti] = (m, v)
                 u = (m / bc1) / (torch.sqrt(v / bc2) + eps) + decay * w
                 ratio = 1.0
-                if trust_ratio and (decay != 0 or use_nvlamb) and _norm(w) != 0 and _norm(u) != 0:
-                    ratio = _norm(w) / _norm(u)
+                if trust_ratio and (decay != 0 or use_nvlamb) and norm(w) != 0 and norm(u) != 0:
+                    ratio = norm(w) / norm(u)
                 weights[gi][ti] = w - lr * ratio * u
     return weights
-
-
-def make_problem(steps=4, zero_grad_tensor=None, zero_weight_tensor=None):
-    """zero_weight_tensor: index of a weight (0: decayed; 1, 2: no decay) that starts at zero."""
-    gen = torch.Generator().manual_seed(1)
-    tensors = [torch.randn(s, generator=gen) for s in ((6, 5), (5,), (7,))]
-    if zero_weight_tensor is not None:
-        tensors[zero_weight_tensor].zero_()
-    groups = [(tensors[:1], 0.01), (tensors[1:], 0.0)]
-    grad_steps = []
-    for _ in range(steps):
-        grads = [[torch.randn(w.shape, generator=gen) for w in ws] for ws, _ in groups]
-        if zero_grad_tensor is not None:
-            gi, ti = zero_grad_tensor
-            grads[gi][ti] = torch.zeros_like(grads[gi][ti])
-        grad_steps.append(grads)
-    return groups, grad_steps
-
-
-def run_optimizer(make, groups, grad_steps):
-    params = [[nn.Parameter(w.clone()) for w in ws] for ws, _ in groups]
-    optimizer = make([{"params": ps, "weight_decay": decay} for ps, (_, decay) in zip(params, groups)])
-    for grads in grad_steps:
-        for ps, gs in zip(params, grads):
-            for p, g in zip(ps, gs):
-                p.grad = g.clone()
-        optimizer.step()
-    return params, optimizer
 
 
 CASES = {
@@ -86,38 +55,30 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_nvlamb_matches_float64_reference(name):
     options = CASES[name]
-    groups, grad_steps = make_problem()
+    groups, grad_steps = make_problem(seed=1)
     params, optimizer = run_optimizer(lambda g: NVLAMB(g, lr=0.05, **options), groups, grad_steps)
-    expected = nvlamb_reference(groups, grad_steps, 0.05, **options)
-    for ps, ws in zip(params, expected):
-        for p, w in zip(ps, ws):
-            torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
+    assert_weights_close(params, nvlamb_reference(groups, grad_steps, 0.05, **options))
     assert [g["step"] for g in optimizer.param_groups] == [4, 4]
 
 
 def test_nvlamb_zero_gradient_tensor_with_use_nvlamb():
-    groups, grad_steps = make_problem(zero_grad_tensor=(1, 1))
+    groups, grad_steps = make_problem(seed=1, zero_grad_tensor=(1, 1))
     params, _ = run_optimizer(lambda g: NVLAMB(g, lr=0.05, use_nvlamb=True), groups, grad_steps)
     expected = nvlamb_reference(groups, grad_steps, 0.05, use_nvlamb=True)
     torch.testing.assert_close(params[1][1].detach().double(), expected[1][1], rtol=0, atol=0)
-    for ps, ws in zip(params, expected):
-        for p, w in zip(ps, ws):
-            torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
+    assert_weights_close(params, expected)
 
 
 @pytest.mark.parametrize("options,zero_weight_tensor", [({}, 0), ({"use_nvlamb": True}, 1)])
 def test_nvlamb_zero_weight_tensor_gets_ratio_one(options, zero_weight_tensor):
     """||w|| = 0 (a zero-initialised bias; a decayed weight): ratio 1, so the tensor moves off zero."""
-    groups, grad_steps = make_problem(zero_weight_tensor=zero_weight_tensor)
+    groups, grad_steps = make_problem(seed=1, zero_weight_tensor=zero_weight_tensor)
     params, _ = run_optimizer(lambda g: NVLAMB(g, lr=0.05, **options), groups, grad_steps)
-    expected = nvlamb_reference(groups, grad_steps, 0.05, **options)
-    for ps, ws in zip(params, expected):
-        for p, w in zip(ps, ws):
-            torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-6)
+    assert_weights_close(params, nvlamb_reference(groups, grad_steps, 0.05, **options))
 
 
 def test_nvlamb_reference_mutant_without_trust_ratio_disagrees():
-    groups, grad_steps = make_problem()
+    groups, grad_steps = make_problem(seed=1)
     params, _ = run_optimizer(lambda g: NVLAMB(g, lr=0.05), groups, grad_steps)
     mutant = nvlamb_reference(groups, grad_steps, 0.05, trust_ratio=False)
     assert (params[0][0].detach().double() - mutant[0][0]).abs().max() > 1e-3
