@@ -271,6 +271,37 @@ def test_sdpa_attention_matches_explicit_softmax_formula():
         assert not torch.allclose(attention(hidden, additive_mask), expected)
 
 
+def test_attention_dropout_acts_on_the_probabilities():
+    """Digest 3.2: dropout on P = softmax(scores), before P V. With V_j = e_j + e_last per head, each context
+    row reads back its dropped probabilities (every entry 0 or P / (1 - p)) and, in the last slot, their sum;
+    dropout anywhere else (scores, context) breaks one of the two."""
+    config = small_config(attention_probs_dropout_prob=0.5)  # hidden 32, 4 heads of d = 8
+    batch, seq_len, heads, head_dim = 2, 7, 4, 8
+    torch.manual_seed(0)
+    attention = modeling.BertSelfAttention(config).double().train()
+    hidden = torch.randn(batch, seq_len, config.hidden_size, dtype=torch.float64)
+    hidden[:, :, :seq_len] = torch.eye(seq_len, dtype=torch.float64)  # position j carries e_j
+    with torch.no_grad():
+        attention.value.weight.zero_()
+        attention.value.bias.zero_()
+        for head in range(heads):
+            rows = slice(head * head_dim, head * head_dim + seq_len)
+            attention.value.weight[rows, :seq_len] = torch.eye(seq_len, dtype=torch.float64)
+            attention.value.bias[head * head_dim + seq_len] = 1.0
+        context = attention(hidden, None).view(batch, seq_len, heads, head_dim).transpose(1, 2)
+
+    def project(linear):
+        return (hidden @ linear.weight.T + linear.bias).view(batch, seq_len, heads, head_dim).transpose(1, 2)
+
+    scores = project(attention.query) @ project(attention.key).transpose(-1, -2) / math.sqrt(head_dim)
+    scaled_probabilities = torch.softmax(scores, dim=-1) / (1.0 - 0.5)
+    dropped, row_sums = context[..., :seq_len], context[..., seq_len]
+    kept = dropped != 0
+    assert kept.any() and not kept.all()
+    torch.testing.assert_close(dropped[kept], scaled_probabilities[kept], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(row_sums, dropped.sum(-1), atol=1e-12, rtol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Sparse MLM head and criterion
 
