@@ -470,6 +470,8 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
               "average_perf_per_step": run.micro_batch * run.gas / step_time,
               "tokens_per_second": run.micro_batch * run.gas * run.world * run.seq_len / step_time,
               "skipped_steps": state.bad_steps}
+    if run.engine.monitor.enabled and not final:  # TensorBoard / CSV / W&B, as the DeepSpeed JSON asks
+        run.engine.monitor.write_events([(f"Train/{key}", value, state.global_step) for key, value in record.items()])
     if final:
         record = {"final_loss": record["all_ranks_average_loss"],
                   "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"]}

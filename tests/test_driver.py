@@ -325,6 +325,19 @@ def test_tensorboard_without_its_package_is_a_clear_error(tmp_path, tiny_shards,
     assert "enables TensorBoard but the tensorboard package is not installed" in capsys.readouterr().err
 
 
+def test_deepspeed_monitor_receives_the_logged_metrics(tmp_path, tiny_shards):
+    """The DeepSpeed JSON's monitors (TensorBoard, CSV, ...) get every logged metric; CSV needs no package."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", csv_monitor={
+        "enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"})
+    rp.main(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=2, log_freq=1,
+                                skip_checkpoint=True))
+    loss_file = next((tmp_path / "csv").rglob("*average_loss*"))
+    logged = [r["data"]["average_loss"] for r in helpers.step_records(tmp_path / "dllogger.json")]
+    rows = [line.split(",") for line in loss_file.read_text().splitlines()[1:]]
+    assert [int(step) for step, _ in rows] == [1, 2]
+    assert [float(value) for _, value in rows] == pytest.approx(logged)
+
+
 # ============================================================================ phase 2, init checkpoint, profiler
 
 def test_phase2_resets_step_counters_and_schedule_but_keeps_moments(tmp_path, tiny_shards, monkeypatch):
