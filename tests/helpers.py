@@ -22,8 +22,9 @@ from data.shard_format import write_shard  # noqa: E402  (needs the repo root on
 
 VENV_BIN = Path(sys.executable).parent
 TINY_MODEL_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
-# The rare exit-time abort of a second rank after a finished run (deepspeed_cpu.md, section 0).
-EXIT_ABORT_MARKER = "terminate called without an active exception"
+# Failures that say nothing about the program, worth one retry: the rare exit-time abort of a second rank
+# after a finished run (deepspeed_cpu.md, section 0), and a free port taken by another process meanwhile.
+RETRY_MARKERS = ("terminate called without an active exception", "Address already in use", "EADDRINUSE")
 
 
 def free_port() -> int:
@@ -115,18 +116,18 @@ def launcher_env(**extra) -> dict:
     return env
 
 
-def launch(argv, num_ranks=2, timeout=300, env=None, script="run_pretraining.py", retry_on_exit_abort=True):
+def launch(argv, num_ranks=2, timeout=300, env=None, script="run_pretraining.py", retry=True):
     """Run `deepspeed --num_gpus N --no_local_rank <script> argv` on this machine; returns CompletedProcess.
 
-    Retries once when the only failure is the rare exit-time SIGABRT of a finished rank.
+    Retries once when the failure is one of RETRY_MARKERS.
     """
     command = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_ranks), "--no_local_rank",
                "--master_port", str(free_port()), str(REPO_ROOT / script), *map(str, argv)]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env or launcher_env(), capture_output=True, text=True,
                             timeout=timeout)
     output = result.stdout + result.stderr
-    if result.returncode != 0 and retry_on_exit_abort and EXIT_ABORT_MARKER in output:
-        return launch(argv, num_ranks, timeout, env, script, retry_on_exit_abort=False)
+    if result.returncode != 0 and retry and any(marker in output for marker in RETRY_MARKERS):
+        return launch(argv, num_ranks, timeout, env, script, retry=False)
     return result
 
 
