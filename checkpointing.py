@@ -199,11 +199,13 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     tag_dir = output_dir / tag
     _raise_if_any_rank_failed(_prepare_tag_dir(output_dir, tag) if rank == 0 else None,
                               f"preparing checkpoint {tag_dir}", engine.device)
-    error = None
+    error, deepspeed_write_errors = None, []
     try:
         # save_latest=False: DeepSpeed would write `latest` non-atomically and before our manifest.
-        with _file_object_saves(engine):
+        with _file_object_saves(engine, deepspeed_write_errors):
             engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
+        if deepspeed_write_errors:
+            raise deepspeed_write_errors[0]
         _write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
         _fsync_tree(tag_dir)
     except OSError as exc:
@@ -240,15 +242,19 @@ def _shadowed(engine, method: str, replacement):
         delattr(checkpoint_engine, method)
 
 
-def _file_object_saves(engine):
+def _file_object_saves(engine, errors: list):
     """DeepSpeed's TorchCheckpointEngine.save calls torch.save(obj, path). On a full disk, torch's
     zip writer then raises a RuntimeError ("unexpected pos ...") and leaves a torn file. Writing
     through a file object instead gives OSError(ENOSPC), and the temporary name + rename leaves
-    each file whole or absent."""
+    each file whole or absent. The OSError is appended to `errors`, not raised: DeepSpeed's save
+    ends with a barrier, which a rank raising here would skip while the other ranks wait in it."""
     zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
 
     def save(state_dict, path):
-        _write_atomically(Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
+        try:
+            _write_atomically(Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
+        except OSError as exc:
+            errors.append(exc)
 
     return _shadowed(engine, "save", save)
 

@@ -11,6 +11,7 @@ This file is also the program that the kill tests launch instead of run_pretrain
 SIGKILLs the process at the n-th <event> (see KILL_EVENTS), then runs the driver unchanged.
 """
 
+import errno
 import json
 import os
 import re
@@ -81,8 +82,21 @@ def _torn_save(function, should_die):
     return wrapper
 
 
-# event -> (module, attribute, how): where the process is killed.
+def _full_disk_save(function, should_fail):
+    """torch.save that, at the chosen call, fails as on a full disk after writing a few bytes."""
+    def wrapper(obj, f, *args, **kwargs):
+        if not should_fail():
+            return function(obj, f, *args, **kwargs)
+        if not isinstance(f, (str, os.PathLike)):
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return wrapper
+
+
+# event -> (module, attribute, how): where the process is killed (or, for torch_save_enospc, where
+# one write fails as on a full disk).
 KILL_EVENTS = {
+    "torch_save_enospc": ("torch", "save", _full_disk_save),
     "backward": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _kill_before),  # mid step
     "step": ("deepspeed.runtime.engine", "DeepSpeedEngine.step", _kill_after),  # update done, not saved
     "torch_save": ("torch", "save", _torn_save),  # inside a checkpoint save: a file half written
@@ -466,6 +480,21 @@ def test_preemption_saves_and_resumes_exactly(tmp_path, shards, references, targ
     resumed = run(driver_args(shards, out, config, tmp_path / "b.json", steps), world)
     assert f"resumed from checkpoint {stopped}" in resumed
     assert_same_training(references.get(world, stage, bf16, steps), [output, resumed], out / str(steps), steps)
+
+
+@pytest.mark.slow
+def test_disk_full_on_one_rank_stops_every_rank_cleanly(tmp_path, shards):
+    """Rank 1's optimizer partition (written inside DeepSpeed's save) fails with ENOSPC: both ranks
+    report the error and exit 1 (no hang in DeepSpeed's barrier); checkpoint 4 stays as it was."""
+    config, out = ds_config(tmp_path, 1, True, 2), tmp_path / "out"
+    run(driver_args(shards, out, config, tmp_path / "a.json", 8, steps_this_run=4), 2)
+    before = {p.name: p.read_bytes() for p in (out / "4").iterdir()}
+    output = run(driver_args(shards, out, config, tmp_path / "b.json", 8), 2, kill="torch_save_enospc:1:1")
+    assert re.search(r"error: cannot write checkpoint \S*8 on rank 1: \[Errno 28\] No space left on device", output)
+    assert re.search(r"error: writing checkpoint \S*8: 1 other rank\(s\) failed", output), output[-3000:]
+    assert (out / "latest").read_text() == "4" and not (out / "8").exists()
+    assert {p.name: p.read_bytes() for p in (out / "4").iterdir()} == before
+    assert not [p for p in out.rglob("*") if ".tmp." in p.name]
 
 
 @pytest.mark.slow
