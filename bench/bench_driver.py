@@ -4,7 +4,8 @@ PyTorch loop with the same model, LANS and PolyWarmUp on in-memory batches, one 
     python bench/bench_driver.py                       # fp32, ZeRO-0
     python bench/bench_driver.py --bf16 --stage 1      # driver bf16 ZeRO-1 vs plain loop on a bf16 model
 
-Each loop runs --repeats times, interleaved, and the best is reported (the machine may be shared).
+Each loop runs --repeats times, interleaved, and the best is reported (the machine may be shared); CPU
+seconds per step (process time, all threads) are reported too, being far less sensitive to other load.
 Both sides time the same steps (the first one included, as the driver's raw_train_time does); model
 init, DeepSpeed initialize and shard writing are outside the timed window. Prints a table; asserts nothing.
 """
@@ -42,8 +43,8 @@ def synthetic_arrays(num_samples, seq_len, max_pred, vocab_size, seed=0):
             "next_sentence_labels": rng.integers(0, 2, num_samples).astype(np.int8)}
 
 
-def time_driver(args, work: Path) -> float:
-    """Steps/s of run_pretraining.main over args.steps steps, from its raw_train_time."""
+def time_driver(args, work: Path) -> tuple:
+    """(steps/s from run_pretraining's raw_train_time, CPU seconds per step of the training loop)."""
     ds_config = work / "ds.json"
     ds_config.write_text(json.dumps({
         "train_batch_size": args.micro, "train_micro_batch_size_per_gpu": args.micro,
@@ -53,13 +54,25 @@ def time_driver(args, work: Path) -> float:
               "--use_lr_scheduler", "--learning_rate", "0.001", "--max_predictions_per_seq", str(args.max_pred),
               "--skip_checkpoint", "--disable_progress_bar", "--no_cuda", "--deepspeed",
               "--deepspeed_config", str(ds_config), "--max_steps", str(args.steps)]
-    summary = run_pretraining.main(common + ["--output_dir", str(work / "out"), "--log_freq", str(args.steps),
-                                             "--json-summary", str(work / "driver.json")])
-    return args.steps / summary["raw_train_time"]
+    cpu, train = {}, run_pretraining.train
+
+    def timed_train(*train_args):
+        start = time.process_time()  # every thread of the process, the prefetcher included
+        result = train(*train_args)
+        cpu["seconds"] = time.process_time() - start
+        return result
+
+    run_pretraining.train = timed_train
+    try:
+        summary = run_pretraining.main(common + ["--output_dir", str(work / "out"), "--log_freq", str(args.steps),
+                                                 "--json-summary", str(work / "driver.json")])
+    finally:
+        run_pretraining.train = train
+    return args.steps / summary["raw_train_time"], cpu["seconds"] / args.steps
 
 
-def time_plain_loop(args, arrays) -> float:
-    """Steps/s of forward + loss + backward + LANS + scheduler on batches already in memory."""
+def time_plain_loop(args, arrays) -> tuple:
+    """(steps/s, CPU seconds per step) of forward + loss + backward + LANS + scheduler on in-memory batches."""
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.from_json_file(MODEL_CONFIG))
     if args.bf16:
@@ -75,7 +88,7 @@ def time_plain_loop(args, arrays) -> float:
         batches.append([torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in
                         (rows["input_ids"], rows["segment_ids"], rows["input_mask"], labels,
                          rows["next_sentence_labels"])])
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for input_ids, segment_ids, input_mask, labels, nsp in batches:
         scores, nsp_scores = model(input_ids, segment_ids, input_mask, masked_lm_labels=labels)
         loss = criterion(scores, nsp_scores, labels, nsp)
@@ -84,7 +97,7 @@ def time_plain_loop(args, arrays) -> float:
         scheduler.step()
         optimizer.zero_grad()
         float(loss.detach())  # the driver synchronises on the loss once per step too
-    return args.steps / (time.perf_counter() - start)
+    return args.steps / (time.perf_counter() - start), (time.process_time() - cpu_start) / args.steps
 
 
 def main():
@@ -96,7 +109,9 @@ def main():
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each loop (best is reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by other load)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     arrays = synthetic_arrays(args.micro * args.steps, args.seq_len, args.max_pred, 30522)
     driver_runs, plain_runs = [], []
@@ -109,15 +124,20 @@ def main():
             (work / "shards").symlink_to(Path(tmp) / "shards")
             driver_runs.append(time_driver(args, work))
             plain_runs.append(time_plain_loop(args, arrays))
-    driver, plain = max(driver_runs), max(plain_runs)
+    driver, plain = max(r[0] for r in driver_runs), max(r[0] for r in plain_runs)
+    driver_cpu, plain_cpu = min(r[1] for r in driver_runs), min(r[1] for r in plain_runs)
     precision = "bf16" if args.bf16 else "fp32"
     print(f"threads={torch.get_num_threads()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
           f"micro={args.micro} seq_len={args.seq_len} steps={args.steps} {precision} ZeRO-{args.stage}")
-    print(f"{'loop':<40}{'steps/s':>10}")
-    print(f"{'run_pretraining.py (DeepSpeed)':<40}{driver:>10.3f}   runs: {', '.join(f'{x:.3f}' for x in driver_runs)}")
-    print(f"{'plain PyTorch loop (no DeepSpeed)':<40}{plain:>10.3f}   runs: {', '.join(f'{x:.3f}' for x in plain_runs)}")
-    print(f"load average before: {load_before}, after: {os.getloadavg()}")
-    print(f"driver / plain = {driver / plain:.3f}  (overhead {100 * (plain / driver - 1):.1f}% time per step)")
+    print(f"{'loop':<36}{'steps/s (best)':>16}{'CPU s/step (best)':>20}   all runs (steps/s, CPU s/step)")
+    for name, rate, cpu_per_step, runs in (("run_pretraining.py (DeepSpeed)", driver, driver_cpu, driver_runs),
+                                           ("plain PyTorch loop (no DeepSpeed)", plain, plain_cpu, plain_runs)):
+        listed = ", ".join(f"({r:.3f}, {c:.2f})" for r, c in runs)
+        print(f"{name:<36}{rate:>16.3f}{cpu_per_step:>20.3f}   {listed}")
+    print(f"load average before: {tuple(round(x, 2) for x in load_before)}, "
+          f"after: {tuple(round(x, 2) for x in os.getloadavg())}")
+    print(f"steps/s ratio driver / plain = {driver / plain:.3f}; "
+          f"CPU time per step ratio driver / plain = {driver_cpu / plain_cpu:.3f}")
 
 
 if __name__ == "__main__":
