@@ -48,7 +48,7 @@ except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the sam
     import dllogger_fallback as dllogger
 
 PROFILERS = ("pt", "pt-full", "hltv")
-IGNORED_FLAGS_HELP = "Accepted for compatibility with the reference; does nothing here."
+IGNORED_FLAGS_HELP = "Does nothing."
 
 
 class InputError(ValueError):
