@@ -317,9 +317,10 @@ def test_help_says_which_flags_do_nothing(capsys):
         assert flag in text
 
 
-def test_tensorboard_without_its_package_is_a_clear_error(tmp_path, tiny_shards, capsys):
-    if importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed here")
+def test_tensorboard_without_its_package_is_a_clear_error(tmp_path, tiny_shards, capsys, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as on a machine without the package
+                        lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", tensorboard={"enabled": True, "output_path": str(tmp_path)})
     assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)) == 1
     assert "enables TensorBoard but the tensorboard package is not installed" in capsys.readouterr().err
@@ -336,6 +337,22 @@ def test_deepspeed_monitor_receives_the_logged_metrics(tmp_path, tiny_shards):
     rows = [line.split(",") for line in loss_file.read_text().splitlines()[1:]]
     assert [int(step) for step, _ in rows] == [1, 2]
     assert [float(value) for _, value in rows] == pytest.approx(logged)
+
+
+def test_tensorboard_monitor_writes_event_files(tmp_path, tiny_shards):
+    """The reference's 1.5B JSON enables TensorBoard: the metrics reach real event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", tensorboard={
+        "enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "tiny"})
+    rp.main(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=2, log_freq=1,
+                                skip_checkpoint=True))
+    event_dir = next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent
+    events = EventAccumulator(str(event_dir))
+    events.Reload()
+    loss_tag = next(tag for tag in events.Tags()["scalars"] if tag.endswith("average_loss"))
+    logged = [r["data"]["average_loss"] for r in helpers.step_records(tmp_path / "dllogger.json")]
+    assert [e.step for e in events.Scalars(loss_tag)] == [1, 2]
+    assert [e.value for e in events.Scalars(loss_tag)] == pytest.approx(logged, rel=1e-6)
 
 
 # ============================================================================ phase 2, init checkpoint, profiler
