@@ -12,15 +12,18 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     echo "Creating virtual environment in $VENV" >&2
     "$PYTHON_BIN" -m venv "$VENV" || { echo "error: could not create a virtual environment with $PYTHON_BIN" >&2; return 1; }
 fi
-stamp="$VENV/.requirements.sha256"
-wanted="$(cat "$repo_root/requirements.txt" ${WITH_DEV:+"$repo_root/requirements-dev.txt"} | sha256sum | cut -d' ' -f1)"
-if [[ ! -f "$stamp" ]] || ! grep -qx "$wanted" "$stamp"; then
-    reqs=(-r "$repo_root/requirements.txt")
-    [[ -n "${WITH_DEV:-}" ]] && reqs+=(-r "$repo_root/requirements-dev.txt")
-    echo "Installing requirements into $VENV" >&2
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${reqs[@]}" \
-        || { echo "error: pip install failed (see above)" >&2; return 1; }
+# One stamp per requirements file: pip runs only when a file changed since it was last installed here.
+install_if_changed() {
+    local file="$1" stamp wanted
+    stamp="$VENV/.$(basename "$file").sha256"
+    wanted="$(sha256sum "$file" | cut -d' ' -f1)"
+    [[ -f "$stamp" ]] && grep -qx "$wanted" "$stamp" && return 0
+    echo "Installing $(basename "$file") into $VENV" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$file" \
+        || { echo "error: pip install -r $file failed (see above)" >&2; return 1; }
     echo "$wanted" > "$stamp"
-fi
+}
+install_if_changed "$repo_root/requirements.txt" || return 1
+if [[ -n "${WITH_DEV:-}" ]]; then install_if_changed "$repo_root/requirements-dev.txt" || return 1; fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
