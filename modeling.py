@@ -437,15 +437,22 @@ class BertPretrainingCriterion(nn.Module):
 # Fine-tuning heads. Each returns a tuple of logits, preceded by the loss when labels are given.
 
 
-class BertForSequenceClassification(BertPreTrainedModel):
-    """Dropout + Linear(h, num_labels) on the pooled output; cross-entropy loss."""
+class BertWithClassifier(BertPreTrainedModel):
+    """The encoder plus dropout and one Linear(h, num_outputs): the body the classification heads share."""
 
-    def __init__(self, config: BertConfig, num_labels: int):
+    def __init__(self, config: BertConfig, num_outputs: int):
         super().__init__(config)
         self.bert = BertModel(config, init_weights=False)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, num_labels)
+        self.classifier = nn.Linear(config.hidden_size, num_outputs)
         self.init_weights()
+
+
+class BertForSequenceClassification(BertWithClassifier):
+    """Dropout + Linear(h, num_labels) on the pooled output; cross-entropy loss."""
+
+    def __init__(self, config: BertConfig, num_labels: int):
+        super().__init__(config, num_outputs=num_labels)
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
         _, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
@@ -455,15 +462,11 @@ class BertForSequenceClassification(BertPreTrainedModel):
         return F.cross_entropy(logits.float(), labels), logits
 
 
-class BertForMultipleChoice(BertPreTrainedModel):
+class BertForMultipleChoice(BertWithClassifier):
     """Inputs [B, num_choices, S]; one score per choice from the pooled output; cross-entropy over choices."""
 
     def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.bert = BertModel(config, init_weights=False)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, 1)
-        self.init_weights()
+        super().__init__(config, num_outputs=1)
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
         batch, num_choices, seq_len = input_ids.shape
@@ -478,15 +481,11 @@ class BertForMultipleChoice(BertPreTrainedModel):
         return F.cross_entropy(logits.float(), labels), logits
 
 
-class BertForTokenClassification(BertPreTrainedModel):
+class BertForTokenClassification(BertWithClassifier):
     """Dropout + Linear(h, num_labels) on every token; loss over tokens with attention_mask == 1."""
 
     def __init__(self, config: BertConfig, num_labels: int):
-        super().__init__(config)
-        self.bert = BertModel(config, init_weights=False)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, num_labels)
-        self.init_weights()
+        super().__init__(config, num_outputs=num_labels)
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
         sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask)
