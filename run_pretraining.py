@@ -21,6 +21,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import random
 import signal
 import socket
@@ -295,7 +296,7 @@ def optimizer_step_suppressed(optimizer):
 def build_model(args, config: BertConfig):
     model = BertForPreTraining(config)
     if args.init_checkpoint:
-        model.load_state_dict(load_init_weights(args.init_checkpoint))
+        load_init_weights(model, args.init_checkpoint)
     if args.checkpoint_activations:
         import deepspeed
         model.checkpoint_activations(True, args.checkpoint_activations_interval,
@@ -303,13 +304,31 @@ def build_model(args, config: BertConfig):
     return model
 
 
-def load_init_weights(path) -> dict:
-    """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file."""
+def load_init_weights(model, path) -> None:
+    """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
+    export of checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
     path = Path(path)
     file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    state = state.get("module", state)
-    return {key: value.float() for key, value in state.items()}
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+        raise InputError(f"--init_checkpoint: cannot read {file} ({one_line(err)})") from err
+    state = state.get("module", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise InputError(f"--init_checkpoint: {file} holds no state dict")
+    state.pop("cls.predictions.decoder.bias", None)  # Hugging Face stores the tied decoder bias twice
+    try:
+        model.load_state_dict({key: value.float() for key, value in state.items()})
+    except RuntimeError as err:  # missing/unexpected keys or shapes: another model config
+        config = model.config
+        raise InputError(f"--init_checkpoint {file} does not fit the model config (hidden {config.hidden_size}, "
+                         f"{config.num_hidden_layers} layers, padded vocab {config.padded_vocab_size}): "
+                         f"{one_line(err)}") from err
+
+
+def one_line(err: Exception, limit: int = 400) -> str:
+    """torch's multi-line error text folded into one bounded line, for the one-line CLI error."""
+    return " ".join(str(err).split())[:limit]
 
 
 def build_engine(args, model, ds_config: dict):

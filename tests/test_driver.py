@@ -405,6 +405,44 @@ def test_init_checkpoint_loads_weights_with_a_fresh_optimizer(tmp_path, tiny_sha
     assert [g["step"] for g in captured["optimizer"].param_groups] == [1, 1]
 
 
+@pytest.mark.parametrize("problem", ["corrupt", "other_config", "not_a_state_dict"])
+def test_bad_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, capsys, problem):
+    weights = tmp_path / "weights.pt"
+    if problem == "corrupt":
+        weights.write_bytes(b"\x00not a checkpoint" * 10)
+    elif problem == "other_config":
+        other = rp.BertConfig.from_dict(dict(json.loads(Path(helpers.TINY_MODEL_CONFIG).read_text()), hidden_size=64))
+        torch.save(rp.BertForPreTraining(other).state_dict(), weights)
+    else:
+        torch.save([1, 2, 3], weights)
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=weights)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = {"corrupt": "cannot read", "other_config": "does not fit the model config (hidden 128",
+                "not_a_state_dict": "holds no state dict"}[problem]
+    assert len(err) == 1 and err[0].startswith("error: --init_checkpoint") and expected in err[0]
+
+
+def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path, tiny_shards):
+    """Interoperability: a transformers.BertForPreTraining (post-LN) state dict starts a run as it is."""
+    transformers = pytest.importorskip("transformers")
+    tiny = json.loads(Path(helpers.TINY_MODEL_CONFIG).read_text())
+    config_file = tmp_path / "post_ln.json"
+    config_file.write_text(json.dumps(dict(tiny, layer_norm_large_model=False)))
+    config = rp.BertConfig.from_json_file(config_file)
+    hf_model = transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
+        layer_norm_eps=1e-12))
+    hf_weights = hf_model.state_dict()
+    torch.save(hf_weights, tmp_path / "hf.pt")
+    args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "out", tmp_path / "ds.json",
+                                                  init_checkpoint=tmp_path / "hf.pt"))
+    ours = rp.build_model(args, config).state_dict()
+    assert all(torch.equal(ours[key], hf_weights[key]) for key in ours)
+
+
 def test_profiler_writes_a_trace_of_the_chosen_steps(tmp_path, tiny_shards):
     run(tmp_path, tiny_shards, max_steps=3, profile="pt", profile_steps="1,1", skip_checkpoint=True)
     traces = list((tmp_path / "profile").glob("*.pt.trace.json*"))
