@@ -62,8 +62,15 @@ class TrainingStopped(RuntimeError):
 
 # ============================================================================ arguments
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line: with ~50 flags the usage block would bury the message."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
+    parser = OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
     add = parser.add_argument
     add("--input_dir", required=True, help="Directory of HDF5 shards; files whose name contains 'training' are used.")
     add("--config_file", required=True, help="Model configuration JSON (modeling.BertConfig).")

@@ -308,6 +308,16 @@ def test_corrupt_shard_mid_run_stops_naming_it_or_is_skipped_and_counted(tmp_pat
     assert summary["skipped_shards"] == 1 and summary["global_step"] == 6
 
 
+@pytest.mark.parametrize("bad", [["--bogus"], ["--max_steps", "abc"], []])
+def test_unknown_flag_or_bad_value_is_one_error_line(capsys, bad):
+    required = [] if not bad else ["--input_dir", "x", "--config_file", "y", "--output_dir", "z"]
+    with pytest.raises(SystemExit) as exit_info:
+        rp.parse_arguments(required + bad)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and err[0].endswith("(see --help)")
+
+
 def test_help_says_which_flags_do_nothing(capsys):
     with pytest.raises(SystemExit):
         rp.parse_arguments(["--help"])
