@@ -377,7 +377,25 @@ def checkpoint_tag(args, state: TrainState) -> str:
     return str(state.global_step + (args.phase1_end_step if state.phase == 2 else 0))
 
 
-def restore_state(args, engine, optimizer, config: BertConfig, say) -> TrainState:
+def describe_data_layout(args, data: DataInfo, window_size: int) -> dict:
+    """What the stream position indexes into (data/dataset.py): a resume must see the same layout, or the
+    saved position would point at other samples (repeats and gaps in the epoch)."""
+    return {"seed": args.seed, "window_size": window_size, "shuffle": not args.disable_random_sampler,
+            "shards": sorted([shard.path.name, shard.num_samples] for shard in data.shards)}
+
+
+LAYOUT_FLAGS = {"seed": "--seed", "window_size": "--data_memory_budget_mb", "shuffle": "--disable_random_sampler",
+                "shards": "the training shards of --input_dir (names and sizes)"}
+
+
+def check_data_layout(saved: dict, current: dict, tag: str) -> None:
+    for key, flag in LAYOUT_FLAGS.items():
+        if saved[key] != current[key]:
+            raise InputError(f"checkpoint {tag} was saved with another data layout: {key} {saved[key]!r} then, "
+                             f"{current[key]!r} now (set by {flag}); resume with the same data and settings")
+
+
+def restore_state(args, engine, optimizer, config: BertConfig, data_layout: dict, say) -> TrainState:
     """Resume from --output_dir when asked; otherwise (or when it holds no checkpoint) a fresh state."""
     fresh = TrainState(phase=2 if args.phase2 else 1)
     if not args.resume_from_checkpoint:
@@ -393,6 +411,7 @@ def restore_state(args, engine, optimizer, config: BertConfig, say) -> TrainStat
     if client["model_config"] != config.to_dict():
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
     checkpointing.restore_rng_state(rank_state["rng"])
+    check_data_layout(client["data_layout"], data_layout, tag)
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client.get("skipped_shards", [])), client.get("bad_steps", 0))
     if args.phase2 and state.phase == 1:
@@ -424,7 +443,8 @@ def save(run, state: TrainState) -> str:
     client_state = {"global_step": state.global_step, "samples_consumed": state.samples_consumed,
                     "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
                     "model_config": run.model_config.to_dict(), "world_size": run.world,
-                    "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps}
+                    "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps,
+                    "data_layout": run.data_layout}
     checkpointing.save_checkpoint(run.engine, args.output_dir, tag, client_state,
                                   {"rng": checkpointing.capture_rng_state()})
     if args.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
@@ -482,6 +502,7 @@ class Run:
     model_config: BertConfig
     say: object
     epoch_size: int
+    data_layout: dict
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
@@ -655,15 +676,16 @@ def main(argv=None) -> dict:
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     log_parameters(logger, args, ds_config)
     engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)
-    state = restore_state(args, engine, optimizer, model_config, say)
+    window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
+    data_layout = describe_data_layout(args, data, window_size)
+    state = restore_state(args, engine, optimizer, model_config, data_layout, say)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    reader = WindowReader(data.shards, args.seed, window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20),
-                                                                         data.seq_len, data.max_pred),
-                          model_config.vocab_size, shuffle=not args.disable_random_sampler,
+    reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
+                          shuffle=not args.disable_random_sampler,
                           skip_bad_shards=args.skip_bad_shards, skipped_shards=state.skipped_shards)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
     run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
-              data.seq_len, model_config, say, reader.stream.epoch_size)
+              data.seq_len, model_config, say, reader.stream.epoch_size, data_layout)
     first_step = state.global_step
     profiler = build_profiler(args, Path(args.json_summary).parent)
     train_started = time.perf_counter()

@@ -177,6 +177,24 @@ def test_resume_continues_at_the_next_sample(tmp_path, tiny_shards):
     assert state["samples_consumed"] == 3 * 16 and state["epoch"] == 0
 
 
+@pytest.mark.parametrize("changed,field", [({"data_memory_budget_mb": 0.02}, "window_size 313592 then, 24 now"),
+                                           ({"seed": 7}, "seed 42 then, 7 now"),
+                                           ({"disable_random_sampler": True}, "shuffle True then, False now")])
+def test_resume_with_another_data_layout_is_one_error_line(tmp_path, tiny_shards, capsys, changed, field):
+    """The saved position indexes a layout made from the seed, window size, shuffle flag and shards: a resume
+    that changes any of them would repeat and skip samples, so it stops with the field named."""
+    _, _, output_dir = run(tmp_path, tiny_shards, max_steps=3, steps_this_run=1)
+    def resume_argv(**flags):
+        return helpers.driver_argv(tiny_shards, output_dir, tmp_path / "ds.json", max_steps=3,
+                                   json_summary=tmp_path / "dllogger.json", resume_from_checkpoint=True, **flags)
+
+    assert rp.cli(resume_argv(**changed)) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "another data layout" in errors[0] and field in errors[0], errors
+    assert "resume with the same data and settings" in errors[0]
+    assert rp.main(resume_argv())["global_step"] == 3  # the same settings resume
+
+
 def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, tiny_shards, capsys):
     summary, _, _ = run(tmp_path, tiny_shards, resume_from_checkpoint=True, max_steps=1, skip_checkpoint=True)
     assert summary["global_step"] == 1
