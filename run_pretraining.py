@@ -473,16 +473,21 @@ def build_logger(args, rank: int):
 
 @dataclass
 class LogWindow:
-    """Loss and time accumulated since the last log record (the reference's average_loss etc.)."""
+    """Loss and time accumulated since the last log record (the reference's average_loss etc.).
+
+    Skipped (non-finite) steps count for the time but not for the losses: their loss is meaningless."""
     started: float = field(default_factory=time.perf_counter)
-    local_losses: list = field(default_factory=list)      # this rank's mean loss per optimizer step
+    steps: int = 0
+    local_losses: list = field(default_factory=list)      # this rank's mean loss per finite optimizer step
     all_rank_losses: list = field(default_factory=list)   # the same averaged over ranks
     last_micro_loss: float = float("nan")
     learning_rate: float = float("nan")
 
     def record(self, result):
-        self.local_losses.append(result.local_loss)
-        self.all_rank_losses.append(result.mean_loss)
+        self.steps += 1
+        if result.finite:
+            self.local_losses.append(result.local_loss)
+            self.all_rank_losses.append(result.mean_loss)
         self.last_micro_loss, self.learning_rate = result.last_micro_loss, result.learning_rate
 
 
@@ -507,10 +512,9 @@ class Run:
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
     """One dllogger record, computed as the reference computes it; returns the record."""
-    steps = len(window.local_losses)
-    step_time = (time.perf_counter() - window.started) / max(steps, 1)
-    record = {"average_loss": sum(window.local_losses) / max(steps, 1),
-              "all_ranks_average_loss": sum(window.all_rank_losses) / max(steps, 1),
+    step_time = (time.perf_counter() - window.started) / max(window.steps, 1)
+    record = {"average_loss": mean_or_nan(window.local_losses),
+              "all_ranks_average_loss": mean_or_nan(window.all_rank_losses),
               "step_loss": window.last_micro_loss,
               "learning_rate": window.learning_rate,  # applied by the last step (the reference: the next one's)
               "average_training_time_step": step_time,
@@ -524,6 +528,10 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
                   "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"]}
     run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step), data=record)
     return record
+
+
+def mean_or_nan(values: list) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 # ============================================================================ one optimizer step
@@ -618,7 +626,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     progress.close()
     if not args.skip_checkpoint and steps_done and last_saved != checkpoint_tag(args, state):
         save(run, state)
-    final = log_window(run, state, window if window.local_losses else last_window, final=True)
+    final = log_window(run, state, window if window.steps else last_window, final=True)
     return {**final, "steps_done": steps_done, "stopped_by_signal": bool(steps_done and result.stop_requested)}
 
 

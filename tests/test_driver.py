@@ -215,6 +215,22 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path, tiny_shards, monkeyp
     assert all(torch.isfinite(p).all() for p in captured["engine"].module.parameters())
 
 
+def test_skipped_steps_do_not_count_as_loss_zero_in_the_averages(tmp_path, tiny_shards, monkeypatch):
+    """Steps 2 and 3 of 4 are non-finite: a log_freq=4 window averages the losses of steps 1 and 4 only, as
+    logged one by one by a log_freq=1 run on the same seed; a window of only skipped steps logs NaN."""
+    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls={2, 3}))
+    run(tmp_path / "each", tiny_shards, stage=0, bf16=False, max_steps=4, log_freq=1, skip_checkpoint=True)
+    each = [r["data"] for r in helpers.step_records(tmp_path / "each" / "dllogger.json")]
+    assert all(math.isnan(each[i]["average_loss"]) and math.isnan(each[i]["all_ranks_average_loss"]) for i in (1, 2))
+    expected = (each[0]["step_loss"] + each[3]["step_loss"]) / 2  # one micro-batch per step: step_loss = its loss
+    summary, json_summary, _ = run(tmp_path / "window", tiny_shards, stage=0, bf16=False, max_steps=4, log_freq=4,
+                                   skip_checkpoint=True)
+    (window,) = [r["data"] for r in helpers.step_records(json_summary)]
+    assert window["average_loss"] == pytest.approx(expected, rel=1e-6)
+    assert window["all_ranks_average_loss"] == pytest.approx(expected, rel=1e-6)
+    assert summary["final_loss"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_too_many_bad_steps_stop_with_a_checkpoint(tmp_path, tiny_shards, monkeypatch, capsys):
     monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls=range(2, 100)))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True)
