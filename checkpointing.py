@@ -106,15 +106,6 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(directory: Path) -> None:
-    """DeepSpeed does not fsync its files. Without this, a power loss after the manifest reached the
-    disk could leave a 'complete' checkpoint with empty files. Cheap for pages already flushed."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            _fsync_path(path)
-    _fsync_path(directory)
-
-
 def _write_atomically(path: Path, write_fn) -> None:
     """write_fn(file_object) writes to a temporary file in the same directory, which is then renamed
     over `path`. On any OSError the temporary file is removed and `path` keeps its old content."""
@@ -206,8 +197,9 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
             engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
         if deepspeed_write_errors:
             raise deepspeed_write_errors[0]
+        # Every file of the tag goes through _write_atomically, which fsyncs it and the directory;
+        # no further fsync is needed (see _commit for checkpoint engines that write on their own).
         _write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
-        _fsync_tree(tag_dir)
     except OSError as exc:
         error = f"cannot write checkpoint {tag_dir} on rank {rank}: {exc}"
     try:
@@ -219,7 +211,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     error = None
     if rank == 0:
         try:
-            _commit(output_dir, tag, world, client_state)
+            _commit(output_dir, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine))
         except OSError as exc:
             error = f"cannot commit checkpoint {tag_dir}: {exc}"
     _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}", engine.device)
@@ -229,10 +221,8 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
 def _shadowed(engine, method: str, replacement):
     """Replace engine.checkpoint_engine.<method> on the instance for the duration, if it is DeepSpeed's
     plain TorchCheckpointEngine (other checkpoint engines have their own I/O and are left alone)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
     checkpoint_engine = engine.checkpoint_engine
-    if not isinstance(checkpoint_engine, TorchCheckpointEngine):
+    if not _is_plain_torch_engine(engine):
         yield
         return
     setattr(checkpoint_engine, method, replacement)
@@ -240,6 +230,13 @@ def _shadowed(engine, method: str, replacement):
         yield
     finally:
         delattr(checkpoint_engine, method)
+
+
+def _is_plain_torch_engine(engine) -> bool:
+    """DeepSpeed's plain TorchCheckpointEngine, whose save and load we shadow, so that its files are
+    written by _file_object_saves (atomically, fsynced). Other checkpoint engines do their own I/O."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    return isinstance(engine.checkpoint_engine, TorchCheckpointEngine)
 
 
 def _file_object_saves(engine, errors: list):
@@ -282,8 +279,11 @@ def _delete_tag_dir(tag_dir: Path) -> None:
     shutil.rmtree(tag_dir)
 
 
-def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict) -> None:
-    """Rank 0, after every rank finished writing: manifest, then `latest`."""
+def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsync_files: bool) -> None:
+    """Rank 0, after every rank finished writing: manifest, then `latest`. fsync_files: fsync the
+    tag's files first (a checkpoint engine of DeepSpeed's own wrote them, without fsync), so that a
+    power loss cannot leave a manifest naming empty files. Done here, once, after the barrier: every
+    rank's temporary file has then been renamed to its final name."""
     import deepspeed  # the version goes into the manifest; imported here to keep import time low
 
     tag_dir = output_dir / tag
@@ -294,6 +294,10 @@ def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict) -> 
     missing = [rank_state_name(r) for r in range(world_size) if rank_state_name(r) not in files]
     if missing:
         raise OSError(f"rank files missing after the barrier: {missing}")
+    if fsync_files:
+        for name in files:
+            _fsync_path(tag_dir / name)
+        _fsync_path(tag_dir)
     manifest = {
         "format_version": MANIFEST_FORMAT_VERSION,
         "tag": tag,

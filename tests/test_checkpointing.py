@@ -213,6 +213,43 @@ def test_resave_replaces_leftover_directory(tmp_path):
     checkpointing.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0)
 
 
+def record_fsyncs(monkeypatch) -> list:
+    """Names of the regular files os.fsync is called on, in order (the name at the time of the call)."""
+    names, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if target.is_file():
+            names.append(target.name)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return names
+
+
+def test_each_file_is_fsynced_once_before_its_rename(tmp_path, monkeypatch):
+    # Re-opening final files after the save (as a tree fsync on every rank did) raced with the other
+    # ranks' renames; each file must be fsynced once, under its temporary name, and never re-opened.
+    engine = make_engine(seed=0, stage=1)
+    train(engine, 1)
+    fsynced = record_fsyncs(monkeypatch)
+    save(engine, tmp_path, 1)
+    final = sorted(p.name for p in (tmp_path / "1").iterdir()) + ["latest", ".write_probe"]
+    assert sorted(fsynced) == sorted(f".{name}.tmp.{os.getpid()}" for name in final)
+
+
+def test_files_of_other_checkpoint_engines_are_fsynced_by_rank0(tmp_path, monkeypatch):
+    # A checkpoint engine other than TorchCheckpointEngine writes DeepSpeed's files itself, without fsync.
+    engine = make_engine(seed=0, stage=1)
+    train(engine, 1)
+    monkeypatch.setattr(checkpointing, "_is_plain_torch_engine", lambda engine: False)
+    fsynced = record_fsyncs(monkeypatch)
+    save(engine, tmp_path, 1)
+    deepspeed_files = {p.name for p in (tmp_path / "1").glob("*_states.pt")}
+    assert len(deepspeed_files) == 2 and deepspeed_files <= set(fsynced)
+    assert checkpointing.find_resume_tag(tmp_path, 1, MODEL_CONFIG) == "1"
+
+
 # --------------------------------------------------------------------------- fallback and errors
 
 def resume_with_warning(out, match):
