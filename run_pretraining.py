@@ -624,10 +624,13 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
             say(f"stop requested (SIGTERM/SIGINT): stopping after step {state.global_step}")
             break
     progress.close()
+    # As the reference, the final record and the training time end before the final checkpoint is saved.
+    ended = time.perf_counter()
+    final = log_window(run, state, window if window.steps else last_window, final=True)
     if not args.skip_checkpoint and steps_done and last_saved != checkpoint_tag(args, state):
         save(run, state)
-    final = log_window(run, state, window if window.steps else last_window, final=True)
-    return {**final, "steps_done": steps_done, "stopped_by_signal": bool(steps_done and result.stop_requested)}
+    return {**final, "ended": ended, "steps_done": steps_done,
+            "stopped_by_signal": bool(steps_done and result.stop_requested)}
 
 
 def make_progress_bar(args, state: TrainState, max_steps: int):
@@ -702,7 +705,7 @@ def main(argv=None) -> dict:
             final = train(run, state, batches, stop_event, profiler)
     finally:
         batches.close()
-    raw_train_time = time.perf_counter() - train_started
+    raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
     summary = {"e2e_train_time": time.perf_counter() - started, "training_sequences_per_second": sequences / raw_train_time,
                "training_tokens_per_second": sequences * data.seq_len / raw_train_time, "raw_train_time": raw_train_time,

@@ -9,8 +9,10 @@ import math
 import os
 import re
 import signal
+import time
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import pytest
@@ -112,6 +114,27 @@ def test_reference_metrics_are_computed_as_the_reference_does(tmp_path, tiny_sha
         assert data["tokens_per_second"] == pytest.approx(4 * 2 * 32 / data["average_training_time_step"])
         assert data["average_loss"] == pytest.approx(data["all_ranks_average_loss"])  # one rank
     assert summary["final_loss"] == pytest.approx(steps[-1]["data"]["average_loss"])
+
+
+def test_final_metrics_do_not_include_the_final_checkpoint_save(tmp_path, tiny_shards, monkeypatch):
+    """The driver's clock jumps 1000 s inside save() (a fake clock: no real waiting): raw_train_time, the
+    throughput and the final record's time per step must not see it, the end-to-end time must."""
+    clock = {"offset": 0.0}
+    real_perf_counter, original_save = time.perf_counter, rp.save
+
+    def slow_save(*args):
+        clock["offset"] += 1000.0
+        return original_save(*args)
+
+    monkeypatch.setattr(rp, "time", SimpleNamespace(perf_counter=lambda: real_perf_counter() + clock["offset"]))
+    monkeypatch.setattr(rp, "save", slow_save)
+    summary, json_summary, output_dir = run(tmp_path, tiny_shards, max_steps=2, log_freq=2)
+    assert (output_dir / "latest").read_text().strip() == "2" and clock["offset"] == 1000.0
+    final = next(r["data"] for r in helpers.read_dllogger(json_summary)
+                 if r["type"] == "LOG" and "final_loss" in r["data"] and r["step"] != [])
+    assert summary["e2e_train_time"] > 1000
+    assert summary["raw_train_time"] < 1000 and summary["training_sequences_per_second"] > 8 / 1000
+    assert final["average_training_time_step"] < 500
 
 
 # ============================================================================ DeepSpeed traps
