@@ -120,9 +120,6 @@ def test_round_trip_continues_exactly(tmp_path, stage, bf16):
     save(saver, tmp_path, 3)
     saved_weights, saved_sched = weights(saver), saver.lr_scheduler.state_dict()
     torch.manual_seed(77)  # the dropout mask of step 4 comes from the RNG state saved above...
-    random.seed(77)
-    np.random.seed(77)
-    expected_draws = (random.random(), np.random.rand(), torch.rand(3))
     checkpointing.restore_rng_state(torch.load(tmp_path / "3" / "state_0.pt", weights_only=True))
     expected_loss = train(saver, 1, first=3)
     expected_weights = weights(saver)
@@ -144,7 +141,7 @@ def test_round_trip_continues_exactly(tmp_path, stage, bf16):
     # ...so after restoring it the loader takes the very same step: same loss, same weights.
     assert train(loader, 1, first=3) == expected_loss
     assert_tensors_equal(weights(loader), expected_weights)
-    assert expected_draws != (random.random(), np.random.rand(), torch.rand(3))
+    # (python and numpy RNG streams: test_rng_state_round_trip_through_weights_only_load)
 
 
 def test_rng_state_round_trip_through_weights_only_load(tmp_path):
