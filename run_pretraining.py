@@ -690,6 +690,8 @@ def main(argv=None) -> dict:
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
     data_layout = describe_data_layout(args, data, window_size)
     state = restore_state(args, engine, optimizer, model_config, data_layout, say)
+    if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
+        return nothing_to_train(args, state, logger, say, time.perf_counter() - started)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
                           shuffle=not args.disable_random_sampler,
@@ -711,6 +713,15 @@ def main(argv=None) -> dict:
                "training_tokens_per_second": sequences * data.seq_len / raw_train_time, "raw_train_time": raw_train_time,
                "final_loss": final["final_loss"], "global_step": state.global_step, "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
+    logger.log(step=(), data=summary)
+    logger.flush()
+    return summary
+
+
+def nothing_to_train(args, state: TrainState, logger, say, elapsed: float) -> dict:
+    say(f"checkpoint {checkpoint_tag(args, state)} is already at --max_steps {int(args.max_steps)}: nothing to train")
+    summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
+               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": False, "nothing_to_train": True}
     logger.log(step=(), data=summary)
     logger.flush()
     return summary

@@ -218,6 +218,21 @@ def test_resume_with_another_data_layout_is_one_error_line(tmp_path, tiny_shards
     assert rp.main(resume_argv())["global_step"] == 3  # the same settings resume
 
 
+def test_relaunching_a_finished_job_trains_nothing_and_says_so(tmp_path, tiny_shards, capsys):
+    """All launchers pass --resume_from_checkpoint: a relaunch after the last step must not log a loss or a
+    throughput it did not measure."""
+    _, json_summary, output_dir = run(tmp_path, tiny_shards, max_steps=2)
+    json_summary.unlink()
+    capsys.readouterr()
+    argv = helpers.driver_argv(tiny_shards, output_dir, tmp_path / "ds.json", json_summary=json_summary,
+                               max_steps=2, resume_from_checkpoint=True)
+    assert rp.cli(argv) == 0
+    assert "checkpoint 2 is already at --max_steps 2: nothing to train" in capsys.readouterr().out
+    logged = [r["data"] for r in helpers.read_dllogger(json_summary) if r["type"] == "LOG"]
+    assert not any("final_loss" in d or "step_loss" in d or "training_sequences_per_second" in d for d in logged)
+    assert logged[-1]["global_step"] == 2 and logged[-1]["nothing_to_train"] is True
+
+
 def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, tiny_shards, capsys):
     summary, _, _ = run(tmp_path, tiny_shards, resume_from_checkpoint=True, max_steps=1, skip_checkpoint=True)
     assert summary["global_step"] == 1
