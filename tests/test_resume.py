@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import h5py
 import psutil
 import pytest
 import torch
@@ -332,16 +331,6 @@ def test_export_for_fine_tuning(tmp_path, shards):
     assert torch.equal(embeddings.detach(), weights["bert.embeddings.word_embeddings.weight"])
 
 
-def corrupt_data_chunk(path: Path) -> None:
-    """Overwrite the compressed input_ids chunk of a shard: its header still validates at start-up,
-    but reading its samples fails when training reaches them."""
-    with h5py.File(path, "r") as f:
-        info = f["input_ids"].id.get_chunk_info(0)
-    with open(path, "r+b") as f:
-        f.seek(info.byte_offset)
-        f.write(b"\xff" * info.size)
-
-
 def last_shard_of_first_epoch(data_dir, seed=42) -> Path:
     shards, _, _ = scan_shards(data_dir)
     return shards[SampleStream(shards, seed, window_size=1).shard_order(0)[-1]].path
@@ -352,7 +341,7 @@ def test_corrupt_shard_met_mid_epoch(tmp_path, capsys, skip):
     data = tmp_path / "data"
     helpers.write_synthetic_shards(data, SHARD_SIZES)
     bad = last_shard_of_first_epoch(data)
-    corrupt_data_chunk(bad)
+    helpers.corrupt_first_chunk(bad)  # the header still validates; reading the samples fails
     config, out = ds_config(tmp_path, 1, False, 1), tmp_path / "out"
     # A window of about 12 samples, so the bad shard (the last of epoch 0) is read after some steps.
     argv = driver_args(data, out, config, tmp_path / "a.json", 24, data_memory_budget_mb=0.01,
