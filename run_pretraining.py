@@ -157,6 +157,11 @@ def validate_args(args, world_size: int) -> tuple:
     for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ("seed", "keep_last_n_checkpoints"):  # numpy seeds are non-negative; 0 = keep all
+        if getattr(args, name) < 0:
+            raise InputError(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if not args.data_memory_budget_mb > 0:
+        raise InputError(f"--data_memory_budget_mb must be positive, got {args.data_memory_budget_mb}")
     output_dir = Path(args.output_dir)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not args.resume_from_checkpoint:
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint or use an empty directory")

@@ -329,6 +329,10 @@ BAD_INPUTS = {
     "too_many_predictions": (None, {"max_predictions_per_seq": 3}, "5 masked positions per sequence, more than"),
     "impossible_schedule": (None, {"warmup_proportion": 1.5}, "optimizer / LR schedule: warmup must be"),
     "fractional_log_freq": (None, {"log_freq": 0.5}, "--log_freq must be at least 1"),
+    "negative_seed": (None, {"seed": -1}, "--seed must be 0 or more, got -1"),
+    "negative_keep_last_n": (None, {"keep_last_n_checkpoints": -2}, "--keep_last_n_checkpoints must be 0 or more"),
+    "zero_memory_budget": (None, {"data_memory_budget_mb": 0}, "--data_memory_budget_mb must be positive, got 0"),
+    "negative_memory_budget": (None, {"data_memory_budget_mb": -5}, "--data_memory_budget_mb must be positive"),
 }
 
 
