@@ -240,7 +240,7 @@ def setup_device_and_distributed(args) -> torch.device:
     """The only place that touches backends, environment variables and DeepSpeed's CPU traps."""
     if "RANK" not in os.environ:  # started without a launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0)))
     if args.use_hpu:
         try:
@@ -265,7 +265,7 @@ def setup_device_and_distributed(args) -> torch.device:
     return device
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -418,7 +418,7 @@ def restore_state(args, engine, optimizer, config: BertConfig, data_layout: dict
     checkpointing.restore_rng_state(rank_state["rng"])
     check_data_layout(client["data_layout"], data_layout, tag)
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
-                       list(client.get("skipped_shards", [])), client.get("bad_steps", 0))
+                       list(client["skipped_shards"]), client["bad_steps"])
     if args.phase2 and state.phase == 1:
         if state.global_step != args.phase1_end_step:
             raise InputError(f"checkpoint {tag} is at step {state.global_step}, but --phase1_end_step is {args.phase1_end_step}")
@@ -550,6 +550,7 @@ class StepResult:
     finite: bool             # every rank's loss was finite and DeepSpeed did not skip the step
     stop_requested: bool     # some rank received SIGTERM/SIGINT
     skipped_shards: tuple    # shards dropped by --skip_bad_shards so far
+    next_position: int       # stream position after this step's last global micro-batch
 
 
 def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
@@ -576,7 +577,8 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
             profiler.step()
     local_loss = float(torch.stack(losses).mean())
     finite = not nonfinite and engine.skipped_steps == skipped_before
-    return StepResult(learning_rate, local_loss, loss_sum / run.world, float(losses[-1]), finite, stop, batch.skipped_shards)
+    return StepResult(learning_rate, local_loss, loss_sum / run.world, float(losses[-1]), finite, stop,
+                      batch.skipped_shards, batch.next_position)
 
 
 def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device) -> tuple:
@@ -602,7 +604,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
         result = train_step(run, batches, stop_event, profiler)
         state.global_step += 1
         steps_done += 1
-        state.samples_consumed += run.micro_batch * run.world * run.gas
+        state.samples_consumed = result.next_position
         state.skipped_shards = list(result.skipped_shards)
         window.record(result)
         progress.update(1)

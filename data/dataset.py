@@ -236,10 +236,7 @@ class RankBatches:
     def __init__(self, reader: WindowReader, rank: int, world_size: int, micro_batch: int,
                  start_position: int, prefetch: int = 4):
         self.reader, self.rank, self.micro_batch = reader, rank, micro_batch
-        self.global_batch = micro_batch * world_size
-        if reader.stream.epoch_size < self.global_batch:
-            raise ShardError(f"the dataset has {reader.stream.epoch_size} samples, fewer than one global "
-                             f"micro-batch ({micro_batch} x {world_size} ranks = {self.global_batch})")
+        self.global_batch = micro_batch * world_size  # may exceed an epoch: it then wraps into the next ones
         self._queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(start_position,), daemon=True,

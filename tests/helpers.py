@@ -7,7 +7,6 @@ outside the directories passed in.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,13 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from data.shard_format import write_shard  # noqa: E402  (needs the repo root on sys.path)
+from run_pretraining import free_port  # noqa: E402,F401  (also used by the checkpoint worker's tests)
 
 VENV_BIN = Path(sys.executable).parent
 TINY_MODEL_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
 # Failures that say nothing about the program, worth one retry: the rare exit-time abort of a second rank
 # after a finished run (deepspeed_cpu.md, section 0), and a free port taken by another process meanwhile.
 RETRY_MARKERS = ("terminate called without an active exception", "Address already in use", "EADDRINUSE")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_synthetic_shards(directory, sizes, seq_len=32, max_pred=5, vocab_size=30522, seed=0,

@@ -193,8 +193,16 @@ def test_prefetcher_stays_ahead_and_stops(tiny_shards):
     assert not iterator._thread.is_alive()
 
 
-def test_dataset_smaller_than_one_global_micro_batch(tmp_path):
+def test_global_micro_batch_larger_than_an_epoch_wraps_into_the_next(tmp_path):
+    """The driver refuses such a dataset (one error line); the stream itself stays well defined: 5 samples in
+    order, 2 ranks x 4 -> positions 0..7 are samples 0-4 then 0-2 of the next epoch."""
     helpers.write_synthetic_shards(tmp_path, [3, 2])
-    reader = make_readers(tmp_path, 1, 8)[0]
-    with pytest.raises(ShardError, match="fewer than one global micro-batch"):
-        RankBatches(reader, 0, 2, 4, 0)
+    readers = make_readers(tmp_path, 2, 8, shuffle=False)
+    iterators = [RankBatches(readers[rank], rank, 2, 4, 0) for rank in range(2)]
+    try:
+        batches = [next(iterator) for iterator in iterators]
+    finally:
+        for iterator in iterators:
+            iterator.close()
+    assert [helpers.sample_uid(b.tensors[0]) for b in batches] == [[0, 1, 2, 3], [4, 0, 1, 2]]
+    assert all(b.crosses_epoch and b.next_position == 8 for b in batches)
