@@ -102,17 +102,23 @@ def test_trains_on_shards_made_by_the_data_pipeline(tmp_path, pipeline_shards):
 
 
 def test_reference_metrics_are_computed_as_the_reference_does(tmp_path, tiny_shards):
-    """log_freq 2, GAS 2: average_loss is the mean of the window's per-step mean losses; step_loss the last
-    micro-batch's loss; perf = micro x GAS / time per step (checked with the logged time)."""
-    summary, json_summary, _ = run(tmp_path, tiny_shards, stage=0, bf16=False, micro=4, gas=2, max_steps=4,
-                                   log_freq=2)
+    """log_freq 2, GAS 2: average_loss is the mean of the window's per-step mean losses (the per-step losses
+    are logged one by one by a log_freq=1 run on the same seed); step_loss the last micro-batch's loss;
+    perf = micro x GAS / time per step (checked with the logged time)."""
+    common = dict(stage=0, bf16=False, micro=4, gas=2, max_steps=4, skip_checkpoint=True)
+    run(tmp_path / "each", tiny_shards, log_freq=1, **common)
+    each = [r["data"] for r in helpers.step_records(tmp_path / "each" / "dllogger.json")]
+    summary, json_summary, _ = run(tmp_path / "window", tiny_shards, log_freq=2, **common)
     steps = helpers.step_records(json_summary)
     assert [r["step"] for r in steps] == [[0, 2], [0, 4]]
-    for record in steps:
-        data = record["data"]
+    for index, record in enumerate(steps):
+        data, pair = record["data"], each[2 * index:2 * index + 2]
+        expected = (pair[0]["average_loss"] + pair[1]["average_loss"]) / 2
+        assert data["average_loss"] == pytest.approx(expected, rel=1e-6)
+        assert data["all_ranks_average_loss"] == pytest.approx(expected, rel=1e-6)  # one rank
+        assert data["step_loss"] == pytest.approx(pair[1]["step_loss"], rel=1e-6)
         assert data["average_perf_per_step"] == pytest.approx(4 * 2 / data["average_training_time_step"])
         assert data["tokens_per_second"] == pytest.approx(4 * 2 * 32 / data["average_training_time_step"])
-        assert data["average_loss"] == pytest.approx(data["all_ranks_average_loss"])  # one rank
     assert summary["final_loss"] == pytest.approx(steps[-1]["data"]["average_loss"])
 
 
