@@ -86,15 +86,22 @@ launch_pretraining() {
 }
 
 # Run the launcher; SIGTERM/SIGINT to this script (e.g. a scheduler signalling only PID 1) are passed on.
-# On one node the deepspeed runner forwards nothing, and deepspeed.launcher.launch answers a signal by
-# terminating the ranks and exiting 1; so the local ranks are signalled directly: they finish their step,
-# save a checkpoint and exit 0, and the launcher then exits 0. With several nodes the runner forwards the
-# signal through pdsh.
+# - One node: the deepspeed runner forwards nothing, and deepspeed.launcher.launch answers a signal by
+#   terminating the ranks and exiting 1; so the local ranks are signalled directly: they finish their step,
+#   save a checkpoint and exit 0, and this script then exits 0.
+# - Before the ranks exist (start-up), or with several nodes: the runner and its children are signalled
+#   (several nodes: the runner only; its handler stops pdsh and kills the remote launchers). Nothing is
+#   saved then and this script exits non-zero (the runner's status, 143 when the signal killed it).
+#   Caveat for several nodes: DeepSpeed's per-node launcher SIGKILLs its ranks 30 s after it is itself
+#   signalled (launch.py, terminate_process_tree), so a step + save longer than 30 s is cut; to stop a
+#   multi-node job cleanly, signal the ranks themselves (on every node), or run one node per job with
+#   the single-node launcher script.
+# The trap stays armed: a signal that arrives while the ranks start is acted on like the first one.
 run_forwarding_signals() {
+    trap forward_stop_request TERM INT
     "$@" &
     RUNNER_PID=$!
     local status=0
-    trap forward_stop_request TERM INT
     wait "$RUNNER_PID" || status=$?
     while kill -0 "$RUNNER_PID" 2> /dev/null; do  # wait returns early when the trap fires
         status=0
@@ -104,10 +111,18 @@ run_forwarding_signals() {
 }
 
 forward_stop_request() {
-    trap "" TERM INT
-    local launch_pid
-    for launch_pid in $(pgrep -P "$RUNNER_PID"); do
-        pkill -TERM -P "$launch_pid" || true  # the ranks: children of deepspeed.launcher.launch
-    done
-    if [[ "$NUM_NODES" != 1 ]]; then kill -TERM "$RUNNER_PID" 2> /dev/null || true; fi
+    local runner="${RUNNER_PID:-$!}" launch_pid ranks=()
+    [[ -n "$runner" ]] || die "stopped by a signal before the launch"
+    if [[ "$NUM_NODES" == 1 ]]; then
+        for launch_pid in $(pgrep -P "$runner"); do
+            ranks+=($(pgrep -P "$launch_pid"))  # the ranks: children of deepspeed.launcher.launch
+        done
+    fi
+    if (( ${#ranks[@]} > 0 )); then
+        kill -TERM "${ranks[@]}" 2> /dev/null || true
+    elif [[ "$NUM_NODES" == 1 ]]; then
+        kill -TERM $(pgrep -P "$runner") "$runner" 2> /dev/null || true
+    else
+        kill -TERM "$runner" 2> /dev/null || true
+    fi
 }

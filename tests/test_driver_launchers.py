@@ -1,11 +1,16 @@
-"""scripts/run_bert_*.sh: the reference's arguments and launcher form, HL_* overrides, early failures.
+"""scripts/run_bert_*.sh: the reference's arguments and launcher form, HL_* overrides, early failures,
+SIGTERM forwarding.
 
-A stub `deepspeed` first on PATH records the command line instead of launching anything.
+A stub `deepspeed` first on PATH records the command line instead of launching anything; with
+STUB_TREE set it imitates DeepSpeed's process tree instead (see STUB_TREE_SCRIPT).
 """
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -20,13 +25,72 @@ def stub_launcher(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "deepspeed"
-    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {shlex.quote(str(tmp_path / "args"))}\n')
+    stub.write_text(f'#!/usr/bin/env bash\nlog={shlex.quote(str(tmp_path))}\n'
+                    f'[[ -n "${{STUB_ROLE:-}}" ]] || printf "%s\\n" "$@" > "$log/args"\n{STUB_TREE_SCRIPT}')
     stub.chmod(0o755)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HL_DATA_DIR=str(data_dir),
                HL_RESULTS_DIR=str(tmp_path / "results"))
     return env, tmp_path
+
+
+# The process tree of the `deepspeed` runner, by STUB_TREE (unset: exit at once). Each process notes
+# the signals it receives in $log/<role>_signalled; `started` appears once every handler is in place.
+#   starting: the runner before it has started any child (sleeps; dies of SIGTERM, as DeepSpeed's does)
+#   ranks:    runner (no handler) -> launch -> rank, which exits 0 on SIGTERM (saves, in the real driver)
+#   pdsh:     runner -> pdsh -> ssh; the runner's SIGTERM handler stops pdsh and ssh with SIGKILL and
+#             exits 1 (as runner.py's handler stops pdsh and exits 1), after a pause in which an ssh
+#             signalled too would have noted it
+STUB_TREE_SCRIPT = r"""
+note() { touch "$log/$1_signalled"; }
+case "${STUB_ROLE:-runner}/${STUB_TREE:-}" in
+    runner/) exit 0 ;;
+    runner/starting) touch "$log/started"; exec sleep 300 ;;
+    runner/ranks) STUB_ROLE=launch "$0" & wait $! ;;
+    launch/ranks) trap 'note launch' TERM; STUB_ROLE=rank "$0" & wait $!; wait $! ;;
+    rank/ranks) trap 'note rank; kill $child; exit 0' TERM; touch "$log/started"; sleep 300 & child=$!; wait $child ;;
+    runner/pdsh) trap 'note runner; sleep 0.5; pkill -KILL -P $child; kill -KILL $child; exit 1' TERM
+                 STUB_ROLE=pdsh "$0" & child=$!; wait $child ;;
+    pdsh/pdsh) STUB_ROLE=ssh "$0" & wait $! ;;
+    ssh/pdsh) trap 'note ssh' TERM; touch "$log/started"; while :; do sleep 0.1 & wait $!; done ;;
+esac
+"""
+
+
+def sigterm_once_started(script, env, tmp_path, tree) -> int:
+    """Start `script` with the stub tree `tree`, SIGTERM the script alone once the tree is up; its status."""
+    process = subprocess.Popen(["bash", str(SCRIPTS / script)], env=dict(env, STUB_TREE=tree),
+                               stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(600):  # hang guard only
+            if (tmp_path / "started").exists() or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "started").exists() and process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        return process.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever the stub tree left behind
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_sigterm_before_the_ranks_exist_stops_the_runner(stub_launcher):
+    # Formerly the signal was swallowed here (no rank to pass it to) and only SIGKILL ended the job.
+    env, tmp_path = stub_launcher
+    assert sigterm_once_started("run_bert_1.5b_8x.sh", env, tmp_path, "starting") == 128 + signal.SIGTERM
+
+
+def test_sigterm_on_one_node_goes_to_the_ranks_only(stub_launcher):
+    env, tmp_path = stub_launcher
+    assert sigterm_once_started("run_bert_1.5b_8x.sh", env, tmp_path, "ranks") == 0
+    assert (tmp_path / "rank_signalled").exists() and not (tmp_path / "launch_signalled").exists()
+
+
+def test_sigterm_on_several_nodes_goes_to_the_runner_only(stub_launcher):
+    env, tmp_path = stub_launcher
+    assert sigterm_once_started("run_bert_1.5b_32x.sh", env, tmp_path, "pdsh") == 1
+    assert (tmp_path / "runner_signalled").exists() and not (tmp_path / "ssh_signalled").exists()
 
 
 def launch(script, env):
