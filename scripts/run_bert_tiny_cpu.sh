@@ -9,7 +9,8 @@
 # 3. launches 2 ranks through the real `deepspeed` launcher: ZeRO-1, bf16, LANS, PolyWarmUp, gloo;
 # 4. checkpoints, prints the reference's final summary and writes $RESULTS_DIR/dllogger.json.
 # Environment: RESULTS_DIR (default results/bert_tiny), MAX_STEPS (120), LEARNING_RATE (0.02),
-# MASTER_PORT (29500), RESUME=1 to continue from the last checkpoint instead of starting afresh.
+# MASTER_PORT (29500), RESUME=1 to continue from the last checkpoint instead of starting afresh (without it,
+# the previous run's $RESULTS_DIR/checkpoints and $RESULTS_DIR/dllogger.json are removed, with a message).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
@@ -29,7 +30,9 @@ BERT_PREP_WORKING_DIR="$DATA_WORK_DIR" PHASES=1 PYTHON=python bash data/create_d
 resume_args=()
 if [[ "${RESUME:-0}" == 1 ]]; then
     resume_args=(--resume_from_checkpoint)
-else
+elif [[ -e "$CHECKPOINTS_DIR" || -e "$RESULTS_DIR/dllogger.json" ]]; then
+    # Only the demo's own outputs; the dataset in $DATA_WORK_DIR is kept and reused.
+    echo "== removing the previous demo run in $RESULTS_DIR (checkpoints/, dllogger.json; RESUME=1 continues it instead)"
     rm -rf "$CHECKPOINTS_DIR" "$RESULTS_DIR/dllogger.json"
 fi
 
