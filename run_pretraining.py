@@ -416,14 +416,15 @@ def restore_state(args, engine, optimizer, config: BertConfig, data_layout: dict
     if client["model_config"] != config.to_dict():
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
     checkpointing.restore_rng_state(rank_state["rng"])
-    check_data_layout(client["data_layout"], data_layout, tag)
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"])
     if args.phase2 and state.phase == 1:
         if state.global_step != args.phase1_end_step:
             raise InputError(f"checkpoint {tag} is at step {state.global_step}, but --phase1_end_step is {args.phase1_end_step}")
         start_phase2(engine, optimizer, fresh_schedule)
-        state = TrainState(phase=2)
+        state = TrainState(phase=2)  # phase 2 reads its own data from position 0
+    else:
+        check_data_layout(client["data_layout"], data_layout, tag)
     say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
         f"{state.samples_consumed} samples consumed")
     return state

@@ -464,7 +464,9 @@ def test_phase2_resets_step_counters_and_schedule_but_keeps_moments(tmp_path, ti
 
     monkeypatch.setattr(rp, "start_phase2", observe)
     (tmp_path / "dllogger.json").unlink()
-    summary, json_summary, _ = run(tmp_path, tiny_shards, max_steps=4, warmup_proportion=0.5, learning_rate=0.004,
+    phase2_shards = tmp_path / "phase2_shards"  # other data (the real phase 2: seq 512): no data layout check
+    helpers.write_synthetic_shards(phase2_shards, [30])
+    summary, json_summary, _ = run(tmp_path, phase2_shards, max_steps=4, warmup_proportion=0.5, learning_rate=0.004,
                                    phase2=True, phase1_end_step=3, resume_from_checkpoint=True, log_freq=1)
     assert seen["steps_before"] == [3, 3] and seen["steps_after"] == [0, 0] and seen["moments_nonzero"]
     # Phase 2's own schedule restarts: step 1 of 4 with warm-up 0.5 -> lr = 0.004 * (1/4) / 0.5.
