@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import warnings
@@ -22,6 +21,7 @@ import torch
 
 import checkpointing
 from checkpointing import CheckpointError, CheckpointWarning
+from helpers import free_port
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -29,17 +29,11 @@ MODEL_CONFIG = {"hidden_size": 16, "num_hidden_layers": 1, "vocab_size": 32}
 CONFIGS = [(0, False), (1, False), (2, False), (0, True), (1, True), (2, True)]  # (ZeRO stage, bf16)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
     """One gloo process group of world size 1 (deepspeed_cpu.md section 0: no shm op, CPU accelerator)."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu"}.items():
+                       "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}.items():
         os.environ.setdefault(key, value)
     import deepspeed.ops
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
