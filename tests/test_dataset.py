@@ -206,3 +206,23 @@ def test_global_micro_batch_larger_than_an_epoch_wraps_into_the_next(tmp_path):
             iterator.close()
     assert [helpers.sample_uid(b.tensors[0]) for b in batches] == [[0, 1, 2, 3], [4, 0, 1, 2]]
     assert all(b.crosses_epoch and b.next_position == 8 for b in batches)
+
+
+def test_shard_order_and_window_contents_change_between_epochs(tmp_path):
+    """Each epoch draws its own shard order, so window w of epoch e holds other samples than window w of
+    epoch e + 1; an order seeded by the seed alone would repeat every epoch, shuffled only inside windows."""
+    sizes = [6, 9, 4, 7, 5]
+    helpers.write_synthetic_shards(tmp_path, sizes)
+    first_uid = np.cumsum([0] + sizes[:-1])
+    shard_of = {uid: shard for shard, (start, n) in enumerate(zip(first_uid, sizes)) for uid in range(start, start + n)}
+    total, epochs = sum(sizes), 4
+    # Window size 1 leaves every sample in layout order: the stream shows each epoch's shard order.
+    _, stream = collect(tmp_path, 1, 1, epochs * total, window_size=1)
+    orders = [list(dict.fromkeys(shard_of[uid] for uid in stream[e * total:(e + 1) * total])) for e in range(epochs)]
+    assert all(sorted(order) == list(range(len(sizes))) for order in orders)
+    assert len({tuple(order) for order in orders}) > 1, f"the same shard order in every epoch: {orders}"
+    # With windows of 8, the set of samples per window differs from one epoch to the next.
+    _, stream = collect(tmp_path, 1, 1, epochs * total, window_size=8)
+    windows = [[frozenset(stream[e * total + w:e * total + min(w + 8, total)]) for w in range(0, total, 8)]
+               for e in range(epochs)]
+    assert all(windows[e] != windows[e + 1] for e in range(epochs - 1))
