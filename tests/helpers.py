@@ -101,6 +101,20 @@ def driver_argv(data_dir, output_dir, ds_config, json_summary=None, **flags):
     return argv
 
 
+def init_single_process_group():
+    """A gloo process group of world size 1 in this process, once (deepspeed_cpu.md section 0: no shm op)."""
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}.items():
+        os.environ.setdefault(key, value)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
 def launcher_env(**extra) -> dict:
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
                DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))

@@ -21,7 +21,7 @@ import torch
 
 import checkpointing
 from checkpointing import CheckpointError, CheckpointWarning
-from helpers import free_port
+from helpers import init_single_process_group
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -31,13 +31,8 @@ CONFIGS = [(0, False), (1, False), (2, False), (0, True), (1, True), (2, True)] 
 
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
-    """One gloo process group of world size 1 (deepspeed_cpu.md section 0: no shm op, CPU accelerator)."""
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}.items():
-        os.environ.setdefault(key, value)
-    import deepspeed.ops
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    """One gloo process group of world size 1 (helpers.init_single_process_group)."""
+    init_single_process_group()
     yield
 
 
@@ -404,6 +399,27 @@ def test_failed_latest_update_leaves_no_temp_file(two_checkpoints, monkeypatch):
         save(engine, two_checkpoints, 6)
     monkeypatch.undo()
     assert_previous_intact(two_checkpoints)
+
+
+def test_failure_between_the_commit_renames_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch):
+    """The commit renames the manifest and `latest` into place. Whichever of the two comes second fails
+    here: the previous checkpoint must stay what `latest` names, so `latest` has to move last."""
+    real_replace, commit_renames = os.replace, []
+
+    def replace_failing_at_second_commit_rename(src, dst):
+        if Path(dst).name in (checkpointing.MANIFEST_NAME, checkpointing.LATEST_NAME):
+            commit_renames.append(Path(dst).name)
+            if len(commit_renames) == 2:
+                raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    engine = make_engine(seed=0, stage=1)
+    monkeypatch.setattr(os, "replace", replace_failing_at_second_commit_rename)
+    with pytest.raises(CheckpointError, match="cannot commit checkpoint .*Input/output error"):
+        save(engine, two_checkpoints, 6)
+    monkeypatch.undo()
+    assert_previous_intact(two_checkpoints)
+    assert commit_renames == [checkpointing.MANIFEST_NAME, checkpointing.LATEST_NAME]
 
 
 @contextlib.contextmanager

@@ -542,3 +542,61 @@ def test_profiler_writes_a_trace_of_the_chosen_steps(tmp_path, tiny_shards):
     run(tmp_path, tiny_shards, max_steps=3, profile="pt", profile_steps="1,1", skip_checkpoint=True)
     traces = list((tmp_path / "profile").glob("*.pt.trace.json*"))
     assert len(traces) == 1
+
+
+# ============================================================================ the cross-rank agreement of a step
+
+class RecordingCriterion(BertPretrainingCriterion):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def forward(self, *args):
+        loss = super().forward(*args)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+@pytest.mark.parametrize("other_rank", [(0.0, 0.0, 2.5), (1.0, 0.0, 0.0), (0.0, 1.0, 9.0)],
+                         ids=["finite", "other_rank_non_finite", "other_rank_stop_request"])
+def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, monkeypatch, other_rank):
+    """train_step as rank 0 of a world of 2: the all-reduce adds what a second rank sends ([non-finite flag,
+    stop flag, its mean loss]); the step's mean loss must be (this rank's mean + the other's) / 2, a
+    non-finite loss on the other rank must skip the update here, and its stop request must stop this rank."""
+    import deepspeed
+    from data.dataset import RankBatches, WindowReader, scan_shards
+    from modeling import BertConfig, BertForPreTraining
+
+    helpers.init_single_process_group()
+    config = BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                "steps_per_print": 10 ** 9})
+    shards, _, _ = scan_shards(tiny_shards)
+    batches = RankBatches(WindowReader(shards, 7, 16, config.vocab_size), 0, 2, 4, 0)
+    reduced = []
+
+    def all_reduce_with_a_second_rank(tensor, *args, **kwargs):
+        reduced.append(tensor.clone())
+        tensor += torch.tensor(other_rank, dtype=tensor.dtype)
+
+    monkeypatch.setattr(rp, "dist", SimpleNamespace(all_reduce=all_reduce_with_a_second_rank))
+    criterion = RecordingCriterion()
+    run = SimpleNamespace(engine=engine, optimizer=optimizer, criterion=criterion, device=torch.device("cpu"),
+                          gas=2, world=2, say=print)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        result = rp.train_step(run, batches, SimpleNamespace(is_set=lambda: False), None)
+    finally:
+        batches.close()
+    local = sum(criterion.losses) / 2
+    assert len(reduced) == 1 and reduced[0].tolist() == pytest.approx([0.0, 0.0, local], rel=1e-6)
+    assert result.local_loss == pytest.approx(local, rel=1e-6)
+    assert result.mean_loss == pytest.approx((local + other_rank[2]) / 2, rel=1e-6)
+    assert result.finite == (other_rank[0] == 0)
+    assert result.stop_requested == (other_rank[1] == 1)
+    updated = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert updated == result.finite
