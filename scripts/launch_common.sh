@@ -31,9 +31,9 @@ pretraining_args() {
     esac
     PRETRAINING_ARGS=(
         "${device_args[@]}" --disable_progress_bar --optimizer=lans --use_lr_scheduler --resume_from_checkpoint
-        --do_train --bert_model=bert-base-uncased --config_file="$MODEL_CONFIG"
+        --config_file="$MODEL_CONFIG"
         --json-summary="$RESULTS_DIR/dllogger.json" --output_dir="$CHECKPOINTS_DIR" --seed=12439
-        --input_dir="$DATA_DIR" --max_seq_length=128 --max_predictions_per_seq=20
+        --input_dir="$DATA_DIR" --max_predictions_per_seq=20
         --max_steps="$MAX_STEPS" --steps_this_run="$RUN_STEPS" --num_steps_per_checkpoint="$NUM_STEPS_PER_CP"
         --learning_rate=0.0015 --warmup_proportion=0.05 --constant_proportion=0.25 --scheduler_degree=1.0
         --log_freq="$LOG_FREQ" --deepspeed --deepspeed_config="$DS_CONFIG"

@@ -23,7 +23,8 @@ from run_pretraining import free_port  # noqa: E402,F401  (also used by the chec
 VENV_BIN = Path(sys.executable).parent
 TINY_MODEL_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
 # Failures that say nothing about the program, worth one retry: the rare exit-time abort of a second rank
-# after a finished run (deepspeed_cpu.md, section 0), and a free port taken by another process meanwhile.
+# after a finished run (gloo tearing down under DeepSpeed 0.19.8 on CPU), and a free port taken by another
+# process meanwhile.
 RETRY_MARKERS = ("terminate called without an active exception", "Address already in use", "EADDRINUSE")
 
 
@@ -102,7 +103,8 @@ def driver_argv(data_dir, output_dir, ds_config, json_summary=None, **flags):
 
 
 def init_single_process_group():
-    """A gloo process group of world size 1 in this process, once (deepspeed_cpu.md section 0: no shm op)."""
+    """A gloo process group of world size 1 in this process, once. DeepSpeed's shm op is turned off: on a
+    CPU it would be compiled at start-up (the driver does the same)."""
     import deepspeed
     import deepspeed.ops
     import torch.distributed as dist

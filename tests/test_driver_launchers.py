@@ -7,6 +7,7 @@ STUB_TREE set it imitates DeepSpeed's process tree instead (see STUB_TREE_SCRIPT
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -116,7 +117,7 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
         assert launcher[6:] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101"]
     assert program[:3] == ["python", "-u", "./run_pretraining.py"]
     for expected in ("--use_hpu", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
-                     "--seed=12439", "--max_seq_length=128", "--max_predictions_per_seq=20",
+                     "--seed=12439", "--max_predictions_per_seq=20",
                      "--learning_rate=0.0015", "--warmup_proportion=0.05", "--constant_proportion=0.25",
                      "--scheduler_degree=1.0", f"--max_steps={max_steps}", "--steps_this_run=-1",
                      f"--num_steps_per_checkpoint={per_cp}", f"--log_freq={log_freq}",
@@ -170,3 +171,18 @@ def test_reference_deepspeed_configs_are_accepted_by_stock_deepspeed(tmp_path, n
     assert config["gradient_accumulation_steps"] == gas  # 12288 = micro x GAS x world, as the reference
     assert DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage  # no fork-only keys
     assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0
+
+
+def ignored_flags() -> set:
+    """The flags run_pretraining.py accepts for compatibility only (its 'ignored' argument group)."""
+    from run_pretraining import build_parser
+    (group,) = [g for g in build_parser()._action_groups if g.title == "ignored"]
+    return {option for action in group._group_actions for option in action.option_strings}
+
+
+def test_launchers_pass_no_flag_that_does_nothing():
+    assert {"--do_train", "--bert_model", "--max_seq_length"} <= ignored_flags()
+    scripts = sorted((helpers.REPO_ROOT / "scripts").glob("*.sh"))
+    passed = {f"{script.name}: {flag}" for script in scripts for flag in ignored_flags()
+              if re.search(rf"{re.escape(flag)}(?![\w-])", script.read_text())}
+    assert not passed, passed
