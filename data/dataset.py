@@ -17,6 +17,11 @@ every window (it needs 1/W of it); this keeps the reader simple and costs W time
 the same I/O the reference spends by visiting each file W times per epoch. A background thread
 prepares the next micro-batches while the current one trains.
 
+Where shards live. The reader asks a shard-files object for each shard's local path just before it
+reads rows of it, and names the next shard in layout order once a window is loaded. LocalShardFiles
+(below) is a plain directory; the driver may pass another object with the same methods instead
+(storage.ShardCache: S3, downloaded into a bounded local cache, next shard prefetched).
+
 Batches are tuples of int64 tensors in the reference's order: input_ids, segment_ids, input_mask,
 masked_lm_labels (-1 except at masked positions), next_sentence_labels.
 """
@@ -48,27 +53,54 @@ class BadShardRows(ShardError):
 
 @dataclass(frozen=True)
 class ShardInfo:
-    path: Path
+    path: Path | str  # a local path, or whatever names the shard in its shard-files object (an s3:// URL)
     num_samples: int
 
+    @property
+    def name(self) -> str:
+        return str(self.path).rsplit("/", 1)[-1]
 
-def find_training_shards(input_dir) -> list:
-    """Sorted regular files of input_dir whose name contains 'training' (the reference's rule)."""
-    return sorted(p for p in Path(input_dir).iterdir() if p.is_file() and TRAINING_MARKER in p.name)
+
+class LocalShardFiles:
+    """Shards in a local directory. The interface the reader needs from where shards live."""
+
+    def __init__(self, input_dir):
+        self.input_dir = Path(input_dir)
+
+    def list_files(self) -> list:
+        return sorted(p for p in self.input_dir.iterdir() if p.is_file())
+
+    def header_file(self, path):
+        """What h5py opens to read the header (a path or a file object)."""
+        return path
+
+    def local_path(self, path) -> Path:
+        """The local file to read rows of `path` from (called just before each read)."""
+        return Path(path)
+
+    def prefetch(self, path) -> None:
+        """`path` is the next shard in layout order."""
 
 
-def scan_shards(input_dir):
+def find_training_shards(shard_files) -> list:
+    """Sorted files whose name contains 'training' (the reference's rule)."""
+    return [p for p in shard_files.list_files() if TRAINING_MARKER in str(p).rsplit("/", 1)[-1]]
+
+
+def scan_shards(input_dir, shard_files=None):
     """Validate the header of every training shard; return (shards, seq_len, max_pred).
 
+    shard_files: where the shards live (default: LocalShardFiles(input_dir)).
     Raises ShardError when there is no shard, when a header is invalid, or when the shards disagree
     on seq_len / max_pred. Empty shards are valid and contribute nothing.
     """
-    paths = find_training_shards(input_dir)
+    shard_files = shard_files or LocalShardFiles(input_dir)
+    paths = find_training_shards(shard_files)
     if not paths:
         raise ShardError(f"{input_dir}: no training shards (files whose name contains '{TRAINING_MARKER}')")
     shards, shapes = [], {}
     for path in paths:
-        num_samples, seq_len, max_pred = read_shard_header(path)
+        num_samples, seq_len, max_pred = read_shard_header(path, shard_files.header_file(path))
         shapes.setdefault((seq_len, max_pred), path)
         if len(shapes) > 1:
             (first, first_path), (second, _) = list(shapes.items())[:2]
@@ -115,6 +147,13 @@ class SampleStream:
             offset += shard.num_samples
         return pieces
 
+    def shard_after(self, epoch: int, window: int):
+        """The shard read after window `window` of `epoch` (the next epoch's first one at the end)."""
+        last = self.window_pieces(epoch, window)[-1][0]
+        order = [self.shards[i] for i in self.shard_order(epoch)]
+        position = order.index(last)
+        return order[position + 1] if position + 1 < len(order) else self.shards[self.shard_order(epoch + 1)[0]]
+
     def window_permutation(self, epoch: int, window: int, length: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(length)
@@ -133,10 +172,10 @@ def masked_lm_labels(positions: np.ndarray, ids: np.ndarray, seq_len: int) -> np
     return labels
 
 
-def _read_piece(shard: ShardInfo, first: int, end: int, vocab_size: int) -> dict:
+def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: int) -> dict:
     """Rows [first, end) of one shard as numpy arrays, with the token ids and positions checked."""
     try:
-        with h5py.File(shard.path, "r") as f:
+        with h5py.File(local_path, "r") as f:
             arrays = {key: f[key][first:end] for key in SHARD_KEYS}
     except (OSError, KeyError) as err:
         raise BadShardRows(shard.path, f"cannot read samples {first}..{end - 1}: {err}") from err
@@ -158,11 +197,13 @@ class WindowReader:
     With skip_bad_shards, a shard that fails to read or validate is dropped from the stream (the
     layout is recomputed without it from that point on, so that epoch may repeat or miss samples);
     the dropped paths are in `skipped_shards` and must be passed back on resume.
+    shard_files: where the shards live (default: local files, see LocalShardFiles).
     """
 
     def __init__(self, shards, seed, window_size, vocab_size, shuffle=True, skip_bad_shards=False,
-                 skipped_shards=()):
+                 skipped_shards=(), shard_files=None):
         self.all_shards, self.seed, self.window_size = list(shards), seed, window_size
+        self.shard_files = shard_files or LocalShardFiles(".")
         self.vocab_size, self.shuffle, self.skip_bad_shards = vocab_size, shuffle, skip_bad_shards
         self.skipped_shards = [str(p) for p in skipped_shards]
         self._rebuild_stream()
@@ -173,8 +214,9 @@ class WindowReader:
         self._window_key, self._window = None, None
 
     def _load_window(self, epoch: int, window: int) -> dict:
-        pieces = [_read_piece(shard, first, end, self.vocab_size)
+        pieces = [_read_piece(shard, self.shard_files.local_path(shard.path), first, end, self.vocab_size)
                   for shard, first, end in self.stream.window_pieces(epoch, window)]
+        self.shard_files.prefetch(self.stream.shard_after(epoch, window).path)
         arrays = {key: np.concatenate([p[key] for p in pieces]) for key in SHARD_KEYS}
         order = self.stream.window_permutation(epoch, window, len(arrays["input_ids"]))
         return {key: value[order] for key, value in arrays.items()}

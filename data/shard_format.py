@@ -135,10 +135,13 @@ def write_shard(path, arrays):
         writer.append(arrays)
 
 
-def read_shard_header(path):
-    """Return (num_samples, seq_len, max_pred) of a shard after validating its schema."""
+def read_shard_header(path, source=None):
+    """Return (num_samples, seq_len, max_pred) of a shard after validating its schema.
+
+    source: what h5py opens instead of `path` (a file object, e.g. ranged reads of a remote shard);
+    `path` then only names the shard in errors."""
     try:
-        with h5py.File(path, "r") as f:
+        with h5py.File(path if source is None else source, "r") as f:
             datasets = {key: f[key] for key in SHARD_KEYS if key in f}
             return _check_arrays(str(path), datasets)
     except OSError as err:

@@ -43,3 +43,28 @@ def pipeline_shards(tmp_path_factory):
                    check=True, capture_output=True, timeout=300)
     source.unlink()
     return directory
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """A real S3-compatible server (moto_server) on 127.0.0.1 for the session; see s3_helpers."""
+    import s3_helpers
+    server = s3_helpers.MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_server, tmp_path, monkeypatch, request):
+    """Environment of boto3 pointed at the session's server, and a fresh bucket named after the test;
+    returns (server, bucket, raw boto3 client for setting things up)."""
+    import re
+
+    import s3_helpers
+    for key, value in s3_helpers.s3_env(moto_server, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    import boto3
+    boto3.setup_default_session()  # a session resolves credentials once: a fresh one for this environment
+    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{id(tmp_path) % 10 ** 6}"
+    client = s3_helpers.make_bucket(moto_server, bucket)
+    return moto_server, bucket, client

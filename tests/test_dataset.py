@@ -90,9 +90,9 @@ def test_window_reads_are_bounded(tmp_path, monkeypatch):
     rows_read = []
     original = dataset._read_piece
 
-    def counting(shard, first, end, vocab_size):
+    def counting(shard, local_path, first, end, vocab_size):
         rows_read.append(end - first)
-        return original(shard, first, end, vocab_size)
+        return original(shard, local_path, first, end, vocab_size)
 
     monkeypatch.setattr(dataset, "_read_piece", counting)
     _, stream = collect(tmp_path, 1, 2, 27, window_size=5)

@@ -1,0 +1,442 @@
+"""S3 for training shards and checkpoints: the one module that talks to S3 (boto3, imported lazily).
+
+Locations are ``s3://bucket/prefix``. S3Store lists, downloads (verified), uploads and deletes the
+objects under one prefix; ShardCache keeps local copies of shards in a directory of bounded size and
+downloads the next shard while the current one is read; RangeFile reads an object by ranged GETs, for
+the few header bytes h5py needs, without downloading a whole shard.
+
+Verification: a download lands under a temporary name and is renamed into place only when its size
+and ETag match the object's. S3's ETag is the MD5 of the content for a single-part upload and, for a
+multipart upload, the MD5 of the parts' binary MD5s followed by "-<parts>"; the part sizes are read
+with HEAD ?partNumber=N. Objects encrypted with SSE-KMS or SSE-C have ETags that are not MD5s: they are
+checked by size only. Uploads carry botocore's default CRC32 checksum, which S3 checks on receipt.
+
+Credentials come from boto3's standard chain only (environment, ~/.aws files, container or instance
+role); nothing here reads or prints them. Error messages are built from the operation, the s3:// name,
+S3's error code and the HTTP status, never from request headers, server messages (a
+SignatureDoesNotMatch message echoes the access key id) or signed URLs. A custom endpoint (MinIO, Ceph,
+a local test server) comes from the caller or the AWS_ENDPOINT_URL variable. Transient errors (5xx,
+SlowDown, throttling, connection resets) are retried by botocore's "standard" retry mode (exponential
+backoff with jitter); AWS_RETRY_MODE and AWS_MAX_ATTEMPTS override it.
+"""
+
+import collections
+import hashlib
+import io
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+S3_SCHEME = "s3://"
+DEFAULT_MAX_ATTEMPTS = 8
+TRANSFER_CHUNK = 64 << 20  # multipart part size and ranged-GET size of uploads and downloads
+RANGE_BLOCK = 1 << 20  # RangeFile reads whole blocks of this size
+_ETAG_SUFFIX = ".etag"  # a cached file's verified ETag lives beside it, in .<name>.etag
+_PARTIAL = ".partial"
+
+
+class StorageError(RuntimeError):
+    """An S3 operation failed (after retries) or a download did not verify; one line, no credentials."""
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    name: str   # key relative to the store's prefix
+    size: int
+    etag: str   # without quotes
+
+
+def is_s3_url(location) -> bool:
+    return str(location).startswith(S3_SCHEME)
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """'s3://bucket/a/b/' -> ('bucket', 'a/b'); raises StorageError for a URL without a bucket."""
+    bucket, _, prefix = str(url)[len(S3_SCHEME):].partition("/")
+    if not is_s3_url(url) or not bucket:
+        raise StorageError(f"{url}: not an s3://bucket/prefix URL")
+    return bucket, prefix.strip("/")
+
+
+def endpoint_url(explicit: str | None = None) -> str | None:
+    """The endpoint to use: the explicit one, else AWS_ENDPOINT_URL, else None (AWS itself)."""
+    return explicit or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def _safe_endpoint(url: str | None) -> str:
+    """An endpoint URL for messages: scheme, host and port only (no user:password@)."""
+    if not url:
+        return "AWS S3"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
+def make_client(endpoint: str | None = None):
+    """A boto3 S3 client from the default session (credentials: boto3's standard chain)."""
+    import boto3
+    from botocore.config import Config
+
+    retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard"),
+               "total_max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))}
+    config = Config(retries=retries, connect_timeout=20, read_timeout=120, max_pool_connections=32)
+    return boto3.client("s3", endpoint_url=endpoint_url(endpoint), config=config)
+
+
+def _transfer_config():
+    from boto3.s3.transfer import TransferConfig
+    return TransferConfig(multipart_threshold=TRANSFER_CHUNK, multipart_chunksize=TRANSFER_CHUNK, max_concurrency=8)
+
+
+class S3Store:
+    """The objects under s3://bucket/prefix. Every method raises StorageError on failure."""
+
+    def __init__(self, url: str, endpoint: str | None = None, client=None):
+        self.bucket, self.prefix = split_s3_url(url)
+        self.endpoint = endpoint_url(endpoint)
+        self.client = client or make_client(self.endpoint)
+
+    def url(self, name: str = "") -> str:
+        return f"{S3_SCHEME}{self.bucket}/" + "/".join(p for p in (self.prefix, name) if p)
+
+    def key(self, name: str) -> str:
+        return "/".join(p for p in (self.prefix, name) if p)
+
+    def child(self, name: str) -> "S3Store":
+        """The store of a sub-prefix, sharing this one's client."""
+        return S3Store(self.url(name), self.endpoint, self.client)
+
+    def _error(self, err: Exception, what: str) -> StorageError:
+        return StorageError(describe_error(err, what, self.bucket, self.endpoint))
+
+    def _call(self, what: str, method: str, **kwargs):
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            return getattr(self.client, method)(**kwargs)
+        except (ClientError, BotoCoreError) as err:
+            raise self._error(err, what) from None
+
+    def check_access(self, write: bool = False) -> None:
+        """Before any step: the bucket exists, is reachable in this region and lists; with write, an
+        object can be put and deleted under the prefix. Raises one-line StorageError otherwise."""
+        self._call(f"cannot open {self.url()}", "head_bucket", Bucket=self.bucket)
+        self._call(f"cannot list {self.url()}", "list_objects_v2", Bucket=self.bucket,
+                   Prefix=self.key("") + "/" if self.prefix else "", MaxKeys=1)
+        if write:
+            probe = ".write_probe"
+            self.put_bytes(probe, b"ok")
+            self.delete([probe])
+
+    def list_objects(self, recursive: bool = False) -> list[RemoteObject]:
+        """Objects under the prefix, sorted by name; only the direct children unless recursive."""
+        prefix = self.key("") + "/" if self.prefix else ""
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix, **({} if recursive else {"Delimiter": "/"})}
+        objects, token = [], None
+        while True:
+            page = self._call(f"cannot list {self.url()}", "list_objects_v2",
+                              **kwargs, **({"ContinuationToken": token} if token else {}))
+            objects += [RemoteObject(item["Key"][len(prefix):], item["Size"], item["ETag"].strip('"'))
+                        for item in page.get("Contents", ())]
+            token = page.get("NextContinuationToken")
+            if not token:
+                return sorted(objects, key=lambda o: o.name)
+
+    def head(self, name: str, part: int | None = None) -> dict:
+        extra = {"PartNumber": part} if part else {}
+        return self._call(f"cannot read {self.url(name)}", "head_object", Bucket=self.bucket, Key=self.key(name),
+                          **extra)
+
+    def exists(self, name: str) -> bool:
+        from botocore.exceptions import ClientError
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise self._error(err, f"cannot read {self.url(name)}") from None
+        return True
+
+    def get_bytes(self, name: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        """The object (or bytes [start, end) of it)."""
+        extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
+        response = self._call(f"cannot read {self.url(name)}", "get_object", Bucket=self.bucket,
+                              Key=self.key(name), **extra)
+        return self._read_body(response, name)
+
+    def _read_body(self, response, name: str) -> bytes:
+        from botocore.exceptions import BotoCoreError
+        try:
+            return response["Body"].read()
+        except (BotoCoreError, OSError) as err:
+            raise self._error(err, f"cannot read {self.url(name)}") from None
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self._call(f"cannot write {self.url(name)}", "put_object", Bucket=self.bucket, Key=self.key(name), Body=data)
+
+    def upload(self, local: Path, name: str) -> None:
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            self.client.upload_file(str(local), self.bucket, self.key(name), Config=_transfer_config())
+        except (S3UploadFailedError, ClientError, BotoCoreError) as err:
+            raise self._error(err.__cause__ or err if isinstance(err, S3UploadFailedError) else err,
+                              f"cannot upload {local} to {self.url(name)}") from None
+
+    def download(self, name: str, destination: Path, expected: RemoteObject | None = None) -> RemoteObject:
+        """Download to `destination` (atomically: a temporary name, verified, then renamed); returns the
+        object as verified. `expected`: the listed object, which must not have changed since."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        head = self.head(name)
+        remote = RemoteObject(name, head["ContentLength"], head["ETag"].strip('"'))
+        if expected is not None and (expected.size, expected.etag) != (remote.size, remote.etag):
+            raise StorageError(f"{self.url(name)} changed since it was listed (size or ETag differs)")
+        destination = Path(destination)
+        partial = destination.with_name(f".{destination.name}{_PARTIAL}")
+        try:
+            self.client.download_file(self.bucket, self.key(name), str(partial), Config=_transfer_config())
+            self._verify(partial, remote, head)
+            os.replace(partial, destination)
+        except (ClientError, BotoCoreError) as err:
+            raise self._error(err, f"cannot download {self.url(name)}") from None
+        finally:
+            partial.unlink(missing_ok=True)
+        return remote
+
+    def _verify(self, path: Path, remote: RemoteObject, head: dict) -> None:
+        size = path.stat().st_size
+        if size != remote.size:
+            raise StorageError(f"download of {self.url(remote.name)} has {size} bytes, S3 says {remote.size}")
+        if head.get("ServerSideEncryption") == "aws:kms" or head.get("SSECustomerAlgorithm"):
+            return  # such ETags are not MD5s of the content: size only
+        if "-" not in remote.etag:
+            matches = file_etag(path, [remote.size], multipart=False) == remote.etag
+        else:  # parts of equal size but the last (boto3, the AWS CLI) need one HEAD; others one per part
+            parts = int(remote.etag.split("-")[1])
+            first = self.head(remote.name, part=1)["ContentLength"]
+            sizes = [first] * (parts - 1) + [remote.size - first * (parts - 1)]
+            matches = file_etag(path, sizes, multipart=True) == remote.etag
+            if not matches and parts > 2:
+                exact = [self.head(remote.name, part=n)["ContentLength"] for n in range(1, parts + 1)]
+                matches = exact != sizes and file_etag(path, exact, multipart=True) == remote.etag
+        if not matches:
+            raise StorageError(f"download of {self.url(remote.name)} does not match its ETag {remote.etag} "
+                               f"(corrupted in transit or on disk)")
+
+    def delete(self, names) -> None:
+        names = list(names)
+        for start in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = names[start:start + 1000]
+            response = self._call(f"cannot delete under {self.url()}", "delete_objects", Bucket=self.bucket,
+                                  Delete={"Objects": [{"Key": self.key(n)} for n in batch], "Quiet": True})
+            if response.get("Errors"):
+                first = response["Errors"][0]
+                raise StorageError(f"cannot delete {self.url(first['Key'][len(self.key('')) + 1:])}: "
+                                   f"{first.get('Code')} ({len(response['Errors'])} object(s) not deleted)")
+
+
+def file_etag(path: Path, part_sizes: list[int], multipart: bool) -> str:
+    """S3's ETag of a file uploaded in parts of the given sizes (a single-part upload: the MD5)."""
+    digests = []
+    with open(path, "rb") as f:
+        for size in part_sizes:
+            digest = hashlib.md5(usedforsecurity=False)
+            remaining = size
+            while remaining:
+                block = f.read(min(remaining, 8 << 20))
+                if not block:
+                    break
+                digest.update(block)
+                remaining -= len(block)
+            digests.append(digest)
+    if not multipart:
+        return digests[0].hexdigest()
+    return hashlib.md5(b"".join(d.digest() for d in digests), usedforsecurity=False).hexdigest() + f"-{len(digests)}"
+
+
+def describe_error(err: Exception, what: str, bucket: str, endpoint: str | None) -> str:
+    """One line for a botocore error, from safe parts only (see the module docstring)."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, HTTPClientError, NoCredentialsError
+
+    if isinstance(err, NoCredentialsError):
+        return f"{what}: no AWS credentials found (boto3's chain: environment, ~/.aws, instance or container role)"
+    if isinstance(err, (EndpointConnectionError, HTTPClientError)):
+        return f"{what}: cannot reach {_safe_endpoint(endpoint)} ({type(err).__name__}, after retries)"
+    if not isinstance(err, ClientError):
+        return f"{what}: {type(err).__name__}"
+    code = str(err.response.get("Error", {}).get("Code", "?"))
+    meta = err.response.get("ResponseMetadata", {})
+    status = meta.get("HTTPStatusCode")
+    region = meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    retries = meta.get("RetryAttempts", 0)
+    if code == "NoSuchBucket" or (code == "404" and err.operation_name in ("HeadBucket", "ListObjectsV2")):
+        return f"{what}: bucket {bucket!r} does not exist at {_safe_endpoint(endpoint)}"
+    if code in ("404", "NoSuchKey", "NotFound"):
+        return f"{what}: no such object"
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"):
+        return (f"{what}: access denied ({code}); the credentials of boto3's chain need the permissions "
+                f"listed in the README's S3 section")
+    if code in ("PermanentRedirect", "301", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
+        where = f"region {region}" if region else "another region"
+        return f"{what}: bucket {bucket!r} is in {where}; set AWS_REGION (or AWS_DEFAULT_REGION) to it"
+    after = f" after {retries + 1} attempts" if retries else ""
+    return f"{what}: {code} (HTTP {status}){after}"
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over one S3 object, read by ranged GETs of RANGE_BLOCK bytes (a few
+    blocks are kept). For h5py to read a shard's header without downloading the shard."""
+
+    def __init__(self, store: S3Store, remote: RemoteObject, keep_blocks: int = 8):
+        super().__init__()
+        self.store, self.remote, self.position = store, remote, 0
+        self._blocks, self._keep = collections.OrderedDict(), keep_blocks
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.position
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.remote.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def _block(self, index: int) -> bytes:
+        if index not in self._blocks:
+            start = index * RANGE_BLOCK
+            self._blocks[index] = self.store.get_bytes(self.remote.name,
+                                                       (start, min(start + RANGE_BLOCK, self.remote.size)))
+            if len(self._blocks) > self._keep:
+                self._blocks.popitem(last=False)
+        self._blocks.move_to_end(index)
+        return self._blocks[index]
+
+    def readinto(self, buffer) -> int:
+        view, done = memoryview(buffer).cast("B"), 0
+        while done < len(view) and self.position < self.remote.size:
+            block = self._block(self.position // RANGE_BLOCK)
+            offset = self.position % RANGE_BLOCK
+            piece = block[offset:offset + len(view) - done]
+            view[done:done + len(piece)] = piece
+            done += len(piece)
+            self.position += len(piece)
+        return done
+
+
+class ShardCache:
+    """Local copies of the objects directly under one S3 prefix, in `cache_dir`, at most `capacity`
+    bytes together (the copies being downloaded included).
+
+    local_path(url) gives the local copy of an object, downloading it when needed and evicting the
+    least recently used other copies to make room; prefetch(url) downloads one object in the
+    background if it fits without evicting the copy in use. A copy left by an earlier run is reused
+    when its size and recorded ETag still match the object's. One cache per process: two processes
+    must not share a directory. The same methods as data.dataset.LocalShardFiles, so the data reader
+    takes either.
+    """
+
+    def __init__(self, store: S3Store, cache_dir, capacity: int):
+        self.store, self.cache_dir, self.capacity = store, Path(cache_dir), int(capacity)
+        self.objects = {store.url(o.name): o for o in store.list_objects()}
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Condition()
+        self._present = collections.OrderedDict()   # url -> size, least recently used first
+        self._pending = {}                           # url -> Future of its download
+        self._current = None                         # the url being read: never evicted for a prefetch
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="s3-download")
+        self.downloaded_bytes = 0
+        self._adopt_earlier_copies()
+
+    def _local(self, url: str) -> Path:
+        return self.cache_dir / self.objects[url].name
+
+    def _etag_file(self, url: str) -> Path:
+        return self.cache_dir / f".{self.objects[url].name}{_ETAG_SUFFIX}"
+
+    def _adopt_earlier_copies(self) -> None:
+        for stale in self.cache_dir.glob(f".*{_PARTIAL}"):
+            stale.unlink()
+        for url, remote in self.objects.items():
+            local, etag_file = self._local(url), self._etag_file(url)
+            if local.is_file() and etag_file.is_file() and local.stat().st_size == remote.size \
+                    and etag_file.read_text() == remote.etag:
+                self._present[url] = remote.size
+
+    def list_files(self) -> list[str]:
+        return sorted(self.objects)
+
+    def check_capacity(self, urls) -> None:
+        """One clear error when an object that will be read cannot fit in the cache at all."""
+        largest = max(urls, key=lambda url: self.objects[url].size)
+        size = self.objects[largest].size
+        if size > self.capacity:
+            raise StorageError(f"the S3 cache holds {self.capacity / 2 ** 30:.3g} GiB, less than the shard "
+                               f"{largest} ({size / 2 ** 30:.3g} GiB): raise --s3_cache_gb")
+
+    def header_file(self, url: str):
+        """Something h5py can open to read the object's header: the local copy, or ranged reads."""
+        with self._lock:
+            if url in self._present:
+                return self._local(url)
+        return io.BufferedReader(RangeFile(self.store, self.objects[url]), buffer_size=RANGE_BLOCK)
+
+    def local_path(self, url: str) -> Path:
+        """The local copy of `url`, downloaded if needed; it stays until another one is asked for."""
+        with self._lock:
+            self._current = url
+            if url in self._present:
+                self._present.move_to_end(url)
+                return self._local(url)
+            future = self._pending.get(url) or self._start_download(url, keep={url}, required=True)
+        future.result()
+        return self._local(url)
+
+    def prefetch(self, url: str) -> None:
+        """Download `url` in the background when it fits without evicting the copy being read."""
+        with self._lock:
+            if url not in self._present and url not in self._pending:
+                self._start_download(url, keep={url, self._current}, required=False)
+
+    def _start_download(self, url: str, keep: set, required: bool):
+        """Under the lock: make room (waiting for other downloads if that is the only way) and submit."""
+        size = self.objects[url].size
+        while not self._make_room(size, keep):
+            if not required or not self._pending:
+                if required:
+                    self.check_capacity([url])
+                return None
+            self._lock.wait()
+        self._pending[url] = self._pool.submit(self._download, url)
+        return self._pending[url]
+
+    def _make_room(self, size: int, keep: set) -> bool:
+        used = sum(self._present.values()) + sum(self.objects[url].size for url in self._pending)
+        for url in [u for u in self._present if u not in keep]:
+            if used + size <= self.capacity:
+                break
+            used -= self._present.pop(url)
+            self._etag_file(url).unlink(missing_ok=True)
+            self._local(url).unlink(missing_ok=True)
+        return used + size <= self.capacity
+
+    def _download(self, url: str) -> None:
+        try:
+            self._etag_file(url).unlink(missing_ok=True)
+            remote = self.store.download(self.objects[url].name, self._local(url), expected=self.objects[url])
+            self._etag_file(url).write_text(remote.etag)
+            with self._lock:
+                self._present[url] = remote.size
+                self.downloaded_bytes += remote.size
+        finally:
+            with self._lock:
+                self._pending.pop(url, None)
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,314 @@
+"""storage.py against a real S3 server (moto_server on 127.0.0.1, started by conftest's moto_server).
+
+ETags are checked against hashlib computed here and against the server's own; faults are answered
+for the server by botocore's before-send hook (s3_helpers.FaultInjector)."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers  # noqa: E402  (puts the repo root on sys.path)
+import s3_helpers  # noqa: E402
+import storage  # noqa: E402
+from data.dataset import LocalShardFiles, WindowReader, scan_shards  # noqa: E402
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """Multipart uploads and ranged downloads in 5 MiB pieces (S3's smallest part), to test them with
+    small files."""
+    monkeypatch.setattr(storage, "TRANSFER_CHUNK", 5 * MIB)
+
+
+def store_of(s3, prefix="data"):
+    _, bucket, _ = s3
+    return storage.S3Store(f"s3://{bucket}/{prefix}")
+
+
+def test_split_s3_url():
+    assert storage.split_s3_url("s3://bkt/a/b/") == ("bkt", "a/b")
+    assert storage.split_s3_url("s3://bkt") == ("bkt", "")
+    with pytest.raises(storage.StorageError, match="not an s3://bucket/prefix URL"):
+        storage.split_s3_url("s3:///x")
+
+
+@pytest.mark.parametrize("size", [0, 3 * MIB + 7, 12 * MIB + 5], ids=["empty", "single-part", "multipart"])
+def test_upload_download_round_trip_verifies_the_etag(tmp_path, s3, small_parts, size):
+    data = os.urandom(size)
+    (tmp_path / "x.bin").write_bytes(data)
+    store = store_of(s3)
+    store.upload(tmp_path / "x.bin", "x.bin")
+    [listed] = store.list_objects()
+    parts = [data[i:i + 5 * MIB] for i in range(0, size, 5 * MIB)]
+    expected = hashlib.md5(data).hexdigest() if len(parts) <= 1 else \
+        hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + f"-{len(parts)}"
+    assert (listed.name, listed.size, listed.etag) == ("x.bin", size, expected)
+    got = store.download("x.bin", tmp_path / "y.bin", expected=listed)
+    assert got == listed and (tmp_path / "y.bin").read_bytes() == data
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_multipart_object_with_unequal_parts_verifies(tmp_path, s3):
+    """Parts of 5, 6 and 1 MiB (another uploader's layout): the part sizes come from HEAD ?partNumber."""
+    _, bucket, client = s3
+    parts = [os.urandom(5 * MIB), os.urandom(6 * MIB), os.urandom(MIB)]
+    upload = client.create_multipart_upload(Bucket=bucket, Key="data/odd.bin")
+    etags = [client.upload_part(Bucket=bucket, Key="data/odd.bin", UploadId=upload["UploadId"], PartNumber=n + 1,
+                                Body=part)["ETag"] for n, part in enumerate(parts)]
+    client.complete_multipart_upload(Bucket=bucket, Key="data/odd.bin", UploadId=upload["UploadId"], MultipartUpload={
+        "Parts": [{"ETag": etag, "PartNumber": n + 1} for n, etag in enumerate(etags)]})
+    store_of(s3).download("odd.bin", tmp_path / "odd.bin")
+    assert (tmp_path / "odd.bin").read_bytes() == b"".join(parts)
+
+
+def test_download_that_does_not_match_is_refused_and_leaves_nothing(tmp_path, s3, small_parts):
+    """The real download runs; a byte flipped in the file it wrote (as by a faulty disk or transfer)
+    must fail the ETag check, and no file appears under the destination name."""
+    (tmp_path / "x.bin").write_bytes(os.urandom(6 * MIB))
+    store = store_of(s3)
+    store.upload(tmp_path / "x.bin", "x.bin")
+    real_download = store.client.download_file
+
+    def download_then_flip_a_byte(bucket, key, filename, **kwargs):
+        real_download(bucket, key, filename, **kwargs)
+        with open(filename, "r+b") as f:
+            f.seek(12345)
+            byte = f.read(1)
+            f.seek(12345)
+            f.write(bytes([byte[0] ^ 1]))
+
+    store.client.download_file = download_then_flip_a_byte
+    with pytest.raises(storage.StorageError, match=r"x\.bin does not match its ETag .*-2 \(corrupted"):
+        store.download("x.bin", tmp_path / "y.bin")
+    assert not (tmp_path / "y.bin").exists() and not list(tmp_path.glob(".y.bin*"))
+
+
+def test_object_changed_since_listing_is_refused(tmp_path, s3):
+    store = store_of(s3)
+    store.put_bytes("x.bin", b"first")
+    [listed] = store.list_objects()
+    store.put_bytes("x.bin", b"second")
+    with pytest.raises(storage.StorageError, match="changed since it was listed"):
+        store.download("x.bin", tmp_path / "y.bin", expected=listed)
+
+
+def test_list_put_get_delete(s3):
+    store = store_of(s3)
+    for name in ("b", "a", "sub/c"):
+        store.put_bytes(name, name.encode())
+    assert [o.name for o in store.list_objects()] == ["a", "b"]
+    assert [o.name for o in store.list_objects(recursive=True)] == ["a", "b", "sub/c"]
+    assert store.child("sub").get_bytes("c") == b"sub/c"
+    assert store.get_bytes("b", (0, 1)) == b"b" and store.exists("a") and not store.exists("zz")
+    store.delete(["a", "sub/c"])
+    assert [o.name for o in store.list_objects(recursive=True)] == ["b"]
+
+
+def test_missing_bucket_is_one_line(s3):
+    server, _, _ = s3
+    with pytest.raises(storage.StorageError) as info:
+        storage.S3Store("s3://no-such-bucket-i12/x").check_access()
+    assert str(info.value) == (f"cannot open s3://no-such-bucket-i12/x: bucket 'no-such-bucket-i12' does not "
+                               f"exist at {server.url}")
+
+
+def test_denied_access_is_one_line_without_credentials(tmp_path, monkeypatch):
+    """A second server that enforces authentication: the test's access key is unknown to it."""
+    server = s3_helpers.MotoServer(tmp_path / "auth.log", env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        for key, value in s3_helpers.s3_env(server, tmp_path).items():
+            monkeypatch.setenv(key, value)
+        import boto3
+        boto3.setup_default_session()
+        with pytest.raises(storage.StorageError) as info:
+            storage.S3Store("s3://some-bucket/x").check_access()
+    finally:
+        server.stop()
+    message = str(info.value)
+    assert message.startswith("cannot open s3://some-bucket/x: access denied (403)") and "\n" not in message
+    assert s3_helpers.ACCESS_KEY not in message and s3_helpers.SECRET_KEY not in message
+
+
+def test_no_credentials_is_one_line(s3, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    import boto3
+    boto3.setup_default_session()
+    with pytest.raises(storage.StorageError, match=r"no AWS credentials found \(boto3's chain"):
+        store_of(s3).check_access()
+
+
+def test_wrong_region_is_one_line(s3):
+    """What S3 answers a request signed for another region (moto does not check regions, so the hook
+    answers for it)."""
+    from botocore.awsrequest import AWSResponse
+    import boto3
+    body = b"<Error><Code>PermanentRedirect</Code><Message>m</Message></Error>"
+
+    def redirect(request, **_):
+        return AWSResponse(request.url, 301, {"x-amz-bucket-region": "eu-west-3"}, s3_helpers._Body(body))
+
+    boto3.setup_default_session()
+    boto3.DEFAULT_SESSION.events.register("before-send.s3", redirect)
+    try:
+        with pytest.raises(storage.StorageError, match=r"bucket '.*' is in region eu-west-3; set AWS_REGION"):
+            store_of(s3).check_access()
+    finally:
+        boto3.DEFAULT_SESSION.events.unregister("before-send.s3", redirect)
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "reset"])
+def test_transient_faults_are_retried(tmp_path, s3, small_parts, kind):
+    """Every third request fails for a while (uploads of parts, HEADs, ranged GETs): all still succeed."""
+    data = os.urandom(11 * MIB)
+    (tmp_path / "x.bin").write_bytes(data)
+    injector = s3_helpers.install_faults(f"{kind}:2:2")
+    try:
+        store = store_of(s3)
+        store.upload(tmp_path / "x.bin", "x.bin")
+        store.download("x.bin", tmp_path / "y.bin")
+    finally:
+        s3_helpers.remove_faults(injector)
+    assert injector.injected == 2 and (tmp_path / "y.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("kind,expected", [("slowdown", r"SlowDown \(HTTP 503\) after 4 attempts"),
+                                           ("reset", r"cannot reach http://127\.0\.0\.1:\d+ \(ConnectionClosedError")])
+def test_persistent_fault_is_one_line(tmp_path, s3, kind, expected):
+    injector = s3_helpers.install_faults(f"{kind}:1:1000000")
+    try:
+        with pytest.raises(storage.StorageError, match=rf"^cannot write s3://.*/data/x: {expected}") as info:
+            store_of(s3).put_bytes("x", b"x")
+    finally:
+        s3_helpers.remove_faults(injector)
+    assert injector.injected == 4  # AWS_MAX_ATTEMPTS of s3_env
+    assert s3_helpers.ACCESS_KEY not in str(info.value) and "Signature" not in str(info.value)
+
+
+def test_range_file_reads_an_hdf5_header(tmp_path, s3):
+    [path] = helpers.write_synthetic_shards(tmp_path / "shards", [30])
+    store = store_of(s3)
+    store.upload(path, path.name)
+    [remote] = store.list_objects()
+    with h5py.File(storage.RangeFile(store, remote), "r") as remote_file, h5py.File(path, "r") as local_file:
+        assert remote_file["input_ids"].shape == local_file["input_ids"].shape
+        assert (remote_file["input_ids"][:] == local_file["input_ids"][:]).all()
+
+
+# ============================================================================ the shard cache
+
+@pytest.fixture
+def remote_shards(tmp_path, s3):
+    """Three shards (~25-45 KiB each) uploaded under s3://<bucket>/shards; returns (store, local dir)."""
+    local = tmp_path / "local"
+    helpers.write_synthetic_shards(local, [24, 40, 17], seq_len=128)
+    helpers.write_synthetic_shards(local, [5], name="held_out_{i}_test.hdf5", seed=1)
+    store = store_of(s3, "shards")
+    for path in sorted(local.iterdir()):
+        store.upload(path, path.name)
+    return store, local
+
+
+def read_everything(shard_files, input_dir, epochs=2):
+    shards, _, _ = scan_shards(input_dir, shard_files)
+    reader = WindowReader(shards, seed=3, window_size=7, vocab_size=30522, shard_files=shard_files)
+    total = reader.stream.epoch_size * epochs
+    return reader.read(0, total)
+
+
+def test_cache_gives_the_same_samples_as_local_files(tmp_path, remote_shards):
+    store, local = remote_shards
+    largest = max(p.stat().st_size for p in local.iterdir())
+    cache = storage.ShardCache(store, tmp_path / "cache", capacity=10 * largest)
+    try:
+        remote = read_everything(cache, store.url())
+    finally:
+        cache.close()
+    expected = read_everything(LocalShardFiles(local), local)
+    assert all((remote[key] == expected[key]).all() for key in expected)
+    # Every training shard downloaded once (they all fit), the test shard never.
+    training = sum(p.stat().st_size for p in local.glob("*training*"))
+    assert cache.downloaded_bytes == training
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")) == \
+        sorted(p.name for p in local.glob("*training*"))
+
+
+def test_cache_smaller_than_two_shards_evicts_and_still_reads_everything(tmp_path, remote_shards):
+    store, local = remote_shards
+    sizes = sorted(p.stat().st_size for p in local.glob("*training*"))
+    capacity = sizes[-1] + sizes[0] // 2  # the largest shard fits, no two shards do
+    cache = storage.ShardCache(store, tmp_path / "cache", capacity=capacity)
+    seen_on_disk = []
+    real_local_path = cache.local_path
+
+    def watching(url):
+        path = real_local_path(url)
+        seen_on_disk.append(sum(p.stat().st_size for p in (tmp_path / "cache").iterdir()
+                                if not p.name.endswith((".etag", ".partial"))))
+        return path
+
+    cache.local_path = watching
+    try:
+        remote = read_everything(cache, store.url())
+    finally:
+        cache.close()
+    expected = read_everything(LocalShardFiles(local), local)
+    assert all((remote[key] == expected[key]).all() for key in expected)
+    assert max(seen_on_disk) <= capacity
+    assert cache.downloaded_bytes > sum(sizes)  # shards were evicted and fetched again in epoch 1
+
+
+def test_cache_prefetches_the_next_shard(tmp_path, remote_shards):
+    store, local = remote_shards
+    cache = storage.ShardCache(store, tmp_path / "cache", capacity=1 << 30)
+    shards, _, _ = scan_shards(store.url(), cache)
+    reader = WindowReader(shards, seed=3, window_size=7, vocab_size=30522, shard_files=cache)
+    try:
+        reader.read(0, 1)
+        first = reader.stream.window_pieces(0, 0)[0][0]
+        following = reader.stream.shard_after(0, 0)
+        assert following != first
+        cache._pool.shutdown(wait=True)  # let the prefetch finish
+        assert (tmp_path / "cache" / following.name).is_file()
+    finally:
+        cache.close()
+
+
+def test_cache_smaller_than_one_shard_is_one_error(tmp_path, remote_shards):
+    store, local = remote_shards
+    largest = max(local.glob("*training*"), key=lambda p: p.stat().st_size)
+    cache = storage.ShardCache(store, tmp_path / "cache", capacity=largest.stat().st_size - 1)
+    try:
+        with pytest.raises(storage.StorageError, match=rf"less than the shard s3://.*/shards/{largest.name} .*"
+                                                       r"raise --s3_cache_gb"):
+            cache.check_capacity([url for url in cache.list_files() if "training" in url])
+    finally:
+        cache.close()
+
+
+def test_cache_reuses_verified_copies_of_an_earlier_run(tmp_path, remote_shards):
+    store, local = remote_shards
+    cache = storage.ShardCache(store, tmp_path / "cache", capacity=1 << 30)
+    read_everything(cache, store.url(), epochs=1)
+    cache.close()
+    assert cache.downloaded_bytes > 0
+    victim = sorted((tmp_path / "cache").glob("shard_*training*"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1])  # a copy that no longer matches is fetched again
+    again = storage.ShardCache(store, tmp_path / "cache", capacity=1 << 30)
+    read_everything(again, store.url(), epochs=1)
+    again.close()
+    assert again.downloaded_bytes == (local / victim.name).stat().st_size
+
+
+def test_storage_imports_no_torch_and_no_boto3_at_import():
+    code = "import sys, storage; print('torch' in sys.modules, 'boto3' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO_ROOT, capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "False"], result.stderr
