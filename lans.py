@@ -28,17 +28,25 @@ divided by ``max(G / max_grad_norm, 1)`` where G is the L2 norm over all gradien
 (the gradients themselves are not modified; the division is on a copy).
 
 Blocks: with plain PyTorch (or DeepSpeed ZeRO stage 0) a block is one parameter tensor, as in the
-paper. Under DeepSpeed ZeRO stage 1/2 the optimizer only ever sees one flat fp32 partition per
-parameter group per rank, so the "blocks" (and all the norms above) are those partitions, exactly as
-in the reference. LANS does nothing special for that case; it works on whatever tensors it holds.
-DeepSpeed 0.19.8's ZeRO-1/2 also call ``step()`` once per group with ``param_groups`` narrowed to
-that group, so ``max_grad_norm`` then clips per group and per rank; use DeepSpeed's
-``gradient_clipping`` for a true global clip (the reference sets ``max_grad_norm=0`` and does so).
+paper. Under DeepSpeed ZeRO stage 1/2 the optimizer only holds one flat fp32 partition per parameter
+group per rank, a slice of the concatenated tensors of the group. Left alone, LANS then takes that
+partition as one block (the reference's behaviour, ``--lans_blocks partition``). With
+:meth:`~AdaptiveMomentOptimizer.set_tensor_segments` the caller says where the original tensors lie
+in each flat parameter (``TensorSegments``); every such piece is then a block, and the four norms of
+a tensor cut between ranks are combined from every rank's partial sum of squares, all blocks of one
+round in one ``all_reduce_sum`` call: two per group and step (the gradient and weight norms; the two
+direction norms, which need the first). The segments come from a wiring module (zero_partitions.py)
+that reads DeepSpeed's partition metadata; this module imports no DeepSpeed.
+DeepSpeed 0.19.8's ZeRO-1/2 call ``step()`` once per group with ``param_groups`` narrowed to
+that group, so ``max_grad_norm`` then clips per group (over all ranks with segments, per rank without);
+use DeepSpeed's ``gradient_clipping`` for a true global clip (the reference sets ``max_grad_norm=0``).
 Unlike the reference, the per-block diagnostics (weight/adam/c norms) are not kept in the state.
 
 Precision: the moments and all the arithmetic are float32 for bf16/fp16 parameters (float64 for
 float64 ones); the result is written back to the parameter in its own dtype.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -76,11 +84,29 @@ def adam_directions(exp_avgs, exp_avg_sqs, bc1, bc2, eps):
 
 
 def trust_ratios(weight_norms, update_norms):
-    """||w|| / ||u|| per block, or 1 where either norm is 0 (0-dim tensors, no host sync)."""
-    return [
-        torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
-        for w, u in zip(weight_norms, update_norms)
-    ]
+    """||w|| / ||u|| per block (1-D tensors of norms), or 1 where either norm is 0 (no host sync)."""
+    return torch.where((weight_norms > 0) & (update_norms > 0), weight_norms / update_norms,
+                       torch.ones_like(weight_norms))
+
+
+def scaled(ratios, factor):
+    """The 0-dim per-block multipliers ratio * factor, as the tensor list torch._foreach_mul_ takes."""
+    return list((ratios * factor).unbind())
+
+
+def _norms(blocks):
+    return torch.stack(torch._foreach_norm(blocks))
+
+
+class TensorSegments(NamedTuple):
+    """Where whole tensors lie in one flat parameter holding a slice of them (a ZeRO partition).
+
+    segments: ``(start, length, tensor_id)`` per piece, offsets into the flat parameter; elements in
+    no piece (alignment padding) are left alone. num_tensors: how many tensors the complete flat group
+    holds over all ranks; tensor_id < num_tensors numbers them the same way on every rank.
+    """
+    num_tensors: int
+    segments: tuple
 
 
 def _compute_dtype(param):
@@ -89,28 +115,45 @@ def _compute_dtype(param):
 
 
 class GroupTensors:
-    """The tensors of one parameter group that take part in a step (params with a gradient).
+    """The blocks of one parameter group that take part in a step (params with a gradient).
 
-    ``weights`` and ``grads`` are in the compute dtype: for float32 parameters they ARE the
-    parameter and its gradient (updating ``weights`` in place updates the parameter); for bf16
-    parameters they are float32 copies and :meth:`write_back` copies the result back.
+    ``weights``, ``grads``, ``exp_avgs`` and ``exp_avg_sqs`` are parallel lists of blocks in the
+    compute dtype: whole tensors, or views of a flat parameter's segments (see TensorSegments). For
+    float32 parameters the weight blocks ARE (views of) the parameter, so updating them in place
+    updates it; for bf16 parameters they are views of float32 copies and :meth:`write_back` copies
+    the result back. ``slots[i]`` is the reduction slot of segment block ``segment_blocks[i]``
+    (``num_slots`` slots in all: each segmented flat parameter numbers its tensors from its own offset).
     """
 
-    def __init__(self, params, optimizer_state):
+    def __init__(self, params, optimizer_state, tensor_segments):
         self.params = params
         # .to() returns the tensor itself when the dtype already matches (step runs under no_grad).
-        self.weights = [p.to(_compute_dtype(p)) for p in params]
-        self.grads = [p.grad.to(_compute_dtype(p)) for p in params]
-        states = [optimizer_state[p] for p in params]
-        for state, weight in zip(states, self.weights):
+        self.full_weights = [p.to(_compute_dtype(p)) for p in params]
+        self.weights, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
+        segment_blocks, slots, self.num_slots = [], [], 0
+        for param, weight in zip(params, self.full_weights):
+            state = optimizer_state[param]
             if not state:
                 state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-        self.exp_avgs = [state["exp_avg"] for state in states]
-        self.exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+            tensors = (weight, param.grad.to(weight.dtype), state["exp_avg"], state["exp_avg_sq"])
+            layout = tensor_segments.get(param)
+            # A flat parameter holding only padding here stays one (all-zero, unchanged) block.
+            pieces = layout.segments if layout is not None and layout.segments else [(None, None, None)]
+            for start, length, tensor_id in pieces:
+                if tensor_id is not None:
+                    segment_blocks.append(len(self.weights))
+                    slots.append(self.num_slots + tensor_id)
+                for blocks, tensor in zip((self.weights, self.grads, self.exp_avgs, self.exp_avg_sqs), tensors):
+                    blocks.append(tensor if start is None else tensor.view(-1).narrow(0, start, length))
+            if layout is not None:
+                self.num_slots += layout.num_tensors
+        device = params[0].device
+        self.segment_blocks = torch.tensor(segment_blocks, dtype=torch.long, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
 
     def write_back(self):
-        for param, weight in zip(self.params, self.weights):
+        for param, weight in zip(self.params, self.full_weights):
             if weight is not param:
                 param.copy_(weight)
 
@@ -136,6 +179,44 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
             raise ValueError(f"invalid max_grad_norm {defaults['max_grad_norm']}: "
                              "must be >= 0 (0 disables)")
         super().__init__(params, {**defaults, "step": 0})
+        self._tensor_segments, self._all_reduce_sum = {}, None
+
+    def set_tensor_segments(self, tensor_segments, all_reduce_sum=None):
+        """Compute the norms per original tensor in the listed flat parameters (see the module docstring).
+
+        tensor_segments: {flat parameter of this optimizer: TensorSegments}. all_reduce_sum(t): sums
+        a tensor (compute dtype, on the parameters' device) in place over every holder of a piece of
+        these tensors (the data-parallel ranks), each calling it with the same shape. None: one
+        holder, nothing to combine.
+        """
+        own = {id(p) for group in self.param_groups for p in group["params"]}
+        for param, layout in tensor_segments.items():
+            if id(param) not in own:
+                raise ValueError("tensor segments given for a tensor that is not a parameter of this optimizer")
+            end = 0
+            for start, length, tensor_id in sorted(layout.segments):
+                if not (0 <= tensor_id < layout.num_tensors and length > 0 and start >= end
+                        and start + length <= param.numel()):
+                    raise ValueError(f"segment ({start}, {length}, {tensor_id}) is outside a flat parameter of "
+                                     f"{param.numel()} values / {layout.num_tensors} tensors, or overlaps another")
+                end = start + length
+            if len({tensor_id for _, _, tensor_id in layout.segments}) != len(layout.segments):
+                raise ValueError("a tensor appears in two segments of one flat parameter")
+        self._tensor_segments, self._all_reduce_sum = dict(tensor_segments), all_reduce_sum
+
+    def block_norms(self, tensors, *block_lists):
+        """L2 norm of every block of each list, one 1-D tensor per list. A segment block gets the norm
+        of its whole tensor: the partial sums of squares of all lists go through one all_reduce_sum."""
+        norms = [_norms(blocks) for blocks in block_lists]
+        if not tensors.num_slots:
+            return norms
+        squares = torch.stack(norms).square()
+        sums = squares.new_zeros(len(block_lists), tensors.num_slots)
+        sums.index_add_(1, tensors.slots, squares[:, tensors.segment_blocks])
+        if self._all_reduce_sum is not None:
+            self._all_reduce_sum(sums)
+        squares[:, tensors.segment_blocks] = sums[:, tensors.slots]
+        return list(squares.sqrt().unbind())
 
     def update_group(self, group, tensors):
         raise NotImplementedError
@@ -146,12 +227,20 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def _clip_by_global_norm(self, all_tensors):
-        """Divide every gradient by max(G / max_grad_norm, 1), G = norm over all groups."""
+        """Divide every gradient by max(G / max_grad_norm, 1), G = norm over all groups (and, for
+        segmented flat parameters, over all their holders)."""
         max_norm = self.defaults["max_grad_norm"]
-        grads = [grad for tensors in all_tensors for grad in tensors.grads]
-        if max_norm <= 0.0 or not grads:
+        if max_norm <= 0.0 or not all_tensors:
             return
-        global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        grads = all_tensors[0].grads[0]
+        squares = torch.zeros(2, dtype=grads.dtype, device=grads.device)  # [whole tensors, segment blocks]
+        for tensors in all_tensors:
+            block_squares = _norms(tensors.grads).square()
+            segment_squares = block_squares[tensors.segment_blocks].sum()
+            squares += torch.stack([block_squares.sum() - segment_squares, segment_squares])
+        if any(tensors.num_slots for tensors in all_tensors) and self._all_reduce_sum is not None:
+            self._all_reduce_sum(squares[1:])
+        global_norm = squares.sum().sqrt()
         divisor = torch.clamp(global_norm / max_norm, min=1.0)
         for tensors in all_tensors:
             # Out of place: for fp32 params tensors.grads alias param.grad, which stays untouched.
@@ -167,7 +256,7 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                active.append((group, GroupTensors(params, self.state)))
+                active.append((group, GroupTensors(params, self.state, self._tensor_segments)))
         self._clip_by_global_norm([tensors for _, tensors in active])
         for group, tensors in active:
             group["step"] += 1
@@ -223,10 +312,10 @@ class LANS(AdaptiveMomentOptimizer):
                                     group["adjust_step"])
         weights = tensors.weights
 
-        # g_hat = g / (||g|| + eps), or g itself when ||g|| = 0
-        grad_norms = torch._foreach_norm(tensors.grads)
-        grad_scales = [torch.where(n > 0, 1.0 / (n + eps), torch.ones_like(n)) for n in grad_norms]
-        normalised = torch._foreach_mul(tensors.grads, grad_scales)
+        # g_hat = g / (||g|| + eps), or g itself when ||g|| = 0. ||w|| is taken now: w changes only at the end.
+        grad_norms, weight_norms = self.block_norms(tensors, tensors.grads, weights)
+        grad_scales = torch.where(grad_norms > 0, 1.0 / (grad_norms + eps), torch.ones_like(grad_norms))
+        normalised = torch._foreach_mul(tensors.grads, list(grad_scales.unbind()))
 
         update_moments(tensors.exp_avgs, tensors.exp_avg_sqs, normalised, group["betas"], beta3)
 
@@ -239,10 +328,8 @@ class LANS(AdaptiveMomentOptimizer):
             torch._foreach_add_(grad_dirs, weights, alpha=decay)
 
         # w <- w - lr beta1 phi_r r - lr beta3 phi_c c
-        weight_norms = torch._foreach_norm(weights)
-        adam_ratios = trust_ratios(weight_norms, torch._foreach_norm(adam_dirs))
-        grad_ratios = trust_ratios(weight_norms, torch._foreach_norm(grad_dirs))
-        torch._foreach_mul_(adam_dirs, [ratio * (-lr * beta1) for ratio in adam_ratios])
-        torch._foreach_mul_(grad_dirs, [ratio * (-lr * beta3) for ratio in grad_ratios])
+        adam_norms, grad_dir_norms = self.block_norms(tensors, adam_dirs, grad_dirs)
+        torch._foreach_mul_(adam_dirs, scaled(trust_ratios(weight_norms, adam_norms), -lr * beta1))
+        torch._foreach_mul_(grad_dirs, scaled(trust_ratios(weight_norms, grad_dir_norms), -lr * beta3))
         torch._foreach_add_(weights, adam_dirs)
         torch._foreach_add_(weights, grad_dirs)

@@ -9,7 +9,7 @@
 
 import torch
 
-from lans import (LANS, AdaptiveMomentOptimizer, adam_directions, bias_corrections, trust_ratios,
+from lans import (LANS, AdaptiveMomentOptimizer, adam_directions, bias_corrections, scaled, trust_ratios,
                   update_moments)
 
 OPTIMIZERS = ("lans", "nvlamb", "adam", "adamw")
@@ -68,9 +68,9 @@ class NVLAMB(AdaptiveMomentOptimizer):
         ratio  =  ||w|| / ||u|| (1 if either is 0)  when wd != 0 or use_nvlamb, else 1
         w      <- w - lr * ratio * u
 
-    bc1, bc2 follow the same ``bias_correction``/``adjust_step`` rule as LANS. Blocks are tensors,
-    or flat partitions under DeepSpeed ZeRO-1/2; there G is also per group and per rank, because
-    DeepSpeed steps the optimizer one group at a time (see lans.py).
+    bc1, bc2 follow the same ``bias_correction``/``adjust_step`` rule as LANS, and so do the blocks:
+    tensors, flat ZeRO-1/2 partitions, or tensor segments of them (see lans.py; under ZeRO G is per
+    group, because DeepSpeed steps the optimizer one group at a time).
     """
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
@@ -94,8 +94,8 @@ class NVLAMB(AdaptiveMomentOptimizer):
             torch._foreach_add_(updates, weights, alpha=decay)
 
         if decay != 0.0 or group["use_nvlamb"]:
-            ratios = trust_ratios(torch._foreach_norm(weights), torch._foreach_norm(updates))
-            torch._foreach_mul_(updates, [ratio * -lr for ratio in ratios])
+            weight_norms, update_norms = self.block_norms(tensors, weights, updates)
+            torch._foreach_mul_(updates, scaled(trust_ratios(weight_norms, update_norms), -lr))
         else:
             torch._foreach_mul_(updates, -lr)
         torch._foreach_add_(weights, updates)

@@ -264,3 +264,134 @@ def test_lans_with_poly_scheduler_under_deepspeed_zero1(tmp_path):
     after_two = lans_reference(groups, grad_steps[:2], lrs[:2])
     for seen, ws in zip(records[2]["weights"], after_two):
         torch.testing.assert_close(torch.tensor(seen[0], dtype=torch.float64), ws[0], rtol=2e-6, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor segments: each simulated rank holds one contiguous slice of every group's flat, padded
+# concatenation (as ZeRO-1/2 do), runs in its own thread, and sums its partial norms with the
+# others through a barrier-synchronised fake all-reduce. The per-tensor result must be the
+# float64 reference's whatever the number of ranks; without segments it must not be.
+
+from lans import TensorSegments  # noqa: E402
+
+
+def split_like_zero(tensors, world, alignment=2):
+    """Flat concatenation padded to a multiple of alignment * world, cut into world equal slices.
+    Returns (slices, per rank a TensorSegments, (offset, numel) of every tensor in the flat)."""
+    places, offset = [], 0
+    for t in tensors:
+        places.append((offset, t.numel()))
+        offset += t.numel()
+    padded = -(-offset // (alignment * world)) * alignment * world
+    flat = torch.cat([t.reshape(-1) for t in tensors] + [torch.zeros(padded - offset, dtype=tensors[0].dtype)])
+    size = padded // world
+    layouts = []
+    for rank in range(world):
+        lo, hi = rank * size, (rank + 1) * size
+        segments = tuple((max(start, lo) - lo, min(start + n, hi) - max(start, lo), tid)
+                         for tid, (start, n) in enumerate(places) if max(start, lo) < min(start + n, hi))
+        layouts.append(TensorSegments(len(tensors), segments))
+    return list(flat.split(size)), layouts, places
+
+
+class FakeAllReduce:
+    """Sums a tensor over `world` threads in place: each adds its copy, all wait, all read the sum;
+    the last to finish reading clears the sum for the next call (a barrier action)."""
+
+    def __init__(self, world):
+        import threading
+        self.lock, self.total, self.calls = threading.Lock(), None, 0
+        self.added = threading.Barrier(world)
+        self.read = threading.Barrier(world, action=self._clear)
+
+    def _clear(self):
+        self.total = None
+
+    def __call__(self, tensor):
+        with self.lock:
+            self.total = tensor.clone() if self.total is None else self.total + tensor
+            self.calls += 1
+        self.added.wait()
+        tensor.copy_(self.total)
+        self.read.wait()
+
+
+def run_partitioned_lans(groups, grad_steps, lrs, world, segmented=True, **options):
+    """LANS on `world` simulated ranks; returns the per-tensor weights reassembled from the slices,
+    and how many all-reduce calls each rank made."""
+    import threading
+    split_weights = [split_like_zero(ws, world) for ws, _ in groups]
+    split_grads = [[split_like_zero([torch.zeros_like(w) if g is None else g for g, w in zip(gs, ws)], world)[0]
+                    for gs, (ws, _) in zip(step, groups)] for step in grad_steps]
+    reduce = FakeAllReduce(world)
+    finals, errors = [None] * world, []
+
+    def rank_main(rank):
+        try:
+            params = [torch.nn.Parameter(slices[rank].clone()) for slices, _, _ in split_weights]
+            optimizer = LANS([{"params": [p], "weight_decay": decay} for p, (_, decay) in zip(params, groups)],
+                             lr=lrs[0], **options)
+            if segmented:
+                optimizer.set_tensor_segments({p: layouts[rank] for p, (_, layouts, _) in zip(params, split_weights)},
+                                              reduce)
+            apply_steps(optimizer, [[p] for p in params], [[[g[rank]] for g in step] for step in split_grads], lrs)
+            finals[rank] = [p.detach() for p in params]
+        except Exception as exc:  # surfaced by the assert below
+            errors.append(exc)
+            reduce.added.abort()
+            reduce.read.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    result = []
+    for gi, (ws, _) in enumerate(groups):
+        flat = torch.cat([finals[r][gi] for r in range(world)])
+        result.append([flat[start:start + n].view(w.shape) for w, (start, n) in zip(ws, split_weights[gi][2])])
+    return result, reduce.calls // world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["defaults", "max_grad_norm", "zero_weight_no_decay_bias", "zero_gradient_tensor"])
+def test_tensor_segments_over_simulated_partitions_match_per_tensor_reference(name, world):
+    options, problem = dict(CASES[name][0]), CASES[name][1]
+    # Uneven sizes: with 2-4 ranks some tensors straddle one or more partition boundaries.
+    groups, grad_steps = make_problem(**problem, shapes=((7, 5), (13,), (3,), (22,)))
+    weights, reduce_calls = run_partitioned_lans(groups, grad_steps, LRS, world, **options)
+    assert_weights_close([[torch.nn.Parameter(w) for w in ws] for ws in weights],
+                         lans_reference(groups, grad_steps, LRS, **options))
+    # Per group and step: the gradient and weight norms, then the two direction norms; per step one
+    # more for the global clip (here step() sees both groups at once).
+    assert reduce_calls == len(LRS) * (2 * len(groups) + (1 if options.get("max_grad_norm") else 0))
+
+
+def test_partition_blocks_differ_from_per_tensor_reference_on_several_ranks():
+    """Negative control: without segments each rank's slice is one block (the reference's ZeRO
+    behaviour), which must be distinguishable from the per-tensor update."""
+    groups, grad_steps = make_problem(shapes=((7, 5), (13,), (3,), (22,)))
+    weights, reduce_calls = run_partitioned_lans(groups, grad_steps, LRS, 2, segmented=False)
+    expected = lans_reference(groups, grad_steps, LRS)
+    difference = max((w.double() - e).abs().max().item() for ws, es in zip(weights, expected) for w, e in zip(ws, es))
+    assert difference > 1e-3 and reduce_calls == 0
+
+
+def test_rank_holding_only_padding_still_takes_part_in_the_reductions():
+    # 3 values padded to 8 over 4 ranks: ranks 2 and 3 hold padding only.
+    groups = [([torch.tensor([0.5, -1.0, 2.0])], 0.01)]
+    grad_steps = [[[torch.tensor([0.1, 0.2, -0.3])]], [[torch.tensor([-0.2, 0.4, 0.1])]]]
+    weights, _ = run_partitioned_lans(groups, grad_steps, LRS[:2], 4)
+    torch.testing.assert_close(weights[0][0].double(), lans_reference(groups, grad_steps, LRS[:2])[0][0])
+
+
+def test_bad_tensor_segments_are_refused():
+    param = torch.nn.Parameter(torch.zeros(10))
+    optimizer = LANS([param])
+    with pytest.raises(ValueError, match="overlaps"):
+        optimizer.set_tensor_segments({param: TensorSegments(2, ((0, 6, 0), (5, 5, 1)))})
+    with pytest.raises(ValueError, match="outside"):
+        optimizer.set_tensor_segments({param: TensorSegments(2, ((0, 11, 0),))})
+    with pytest.raises(ValueError, match="not a parameter"):
+        optimizer.set_tensor_segments({torch.nn.Parameter(torch.zeros(3)): TensorSegments(1, ((0, 3, 0),))})

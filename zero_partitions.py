@@ -1,0 +1,86 @@
+"""Where each model parameter lies in DeepSpeed's ZeRO-1/2 flat fp32 partitions, from DeepSpeed's own
+metadata; the LANS wiring (per-tensor blocks) and the checkpoint re-partitioning both read it here.
+
+DeepSpeed 0.19.8 links every model parameter of a ZeRO-1/2 optimizer to the piece of this rank's flat
+fp32 partition that holds it (``link_hp_params``): ``param._hp_mapping`` is None when this rank holds
+none of it, else a ``tensor_fragment`` whose ``hp_fragment_address`` is (start, numel) in the
+partition and ``lp_fragment_address`` the same piece's start in the flattened parameter. Both
+optimizers that ZeRO-1/2 use on CPU keep the same shape of data: ``DeepSpeedZeroOptimizer``
+(``bit16_groups`` / ``single_partition_of_fp32_groups``: fp32, and bf16 by default) and
+``BF16_Optimizer`` (``bf16_groups`` / ``fp32_groups_flat_partition``: bf16 + ZeRO-1 with
+``data_types.grad_accum_dtype: fp32``). ZeRO-0 has no partitions: :func:`group_partitions` is None.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lans import TensorSegments
+
+
+class Fragment(NamedTuple):
+    """The piece of one model parameter that this rank's partition holds."""
+    index: int            # position of the parameter in its group (DeepSpeed's order, = tensor id)
+    param: torch.Tensor   # the model parameter (training dtype)
+    partition_start: int  # offset of the piece in the flat partition
+    param_start: int      # offset of the piece in the flattened parameter
+    numel: int
+
+
+class GroupPartition(NamedTuple):
+    """One param group on this rank: its flat fp32 partition (the client optimizer's parameter)."""
+    flat: torch.Tensor
+    params: list          # every model parameter of the group, on all ranks together, in order
+    fragments: list       # Fragment for each parameter this rank holds a piece of
+
+
+_LAYOUTS = (("bit16_groups", "single_partition_of_fp32_groups"),  # DeepSpeedZeroOptimizer
+            ("bf16_groups", "fp32_groups_flat_partition"))         # BF16_Optimizer
+
+
+def group_partitions(engine_optimizer) -> list | None:
+    """The GroupPartition of every param group, or None when the engine's optimizer partitions nothing
+    (ZeRO-0: the client optimizer itself or a wrapper holding whole tensors)."""
+    for params_attr, flat_attr in _LAYOUTS:
+        if hasattr(engine_optimizer, params_attr) and hasattr(engine_optimizer, flat_attr):
+            return [GroupPartition(flat, list(params), _fragments(params))
+                    for params, flat in zip(getattr(engine_optimizer, params_attr), getattr(engine_optimizer, flat_attr))]
+    return None
+
+
+def _fragments(params) -> list:
+    fragments = []
+    for index, param in enumerate(params):
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is not None:
+            hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+            fragments.append(Fragment(index, param, hp.start, lp.start, hp.numel))
+    return fragments
+
+
+def tensor_segments(partitions: list) -> dict:
+    """{flat partition: TensorSegments} for lans.AdaptiveMomentOptimizer.set_tensor_segments."""
+    return {part.flat: TensorSegments(len(part.params), tuple((f.partition_start, f.numel, f.index)
+                                                              for f in part.fragments))
+            for part in partitions}
+
+
+def data_parallel_sum(engine_optimizer):
+    """all_reduce_sum for the client optimizer: one all-reduce (SUM) over the data-parallel group."""
+    group = engine_optimizer.dp_process_group
+
+    def all_reduce_sum(tensor):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+    return all_reduce_sum
+
+
+def use_tensor_blocks(engine_optimizer, client_optimizer) -> bool:
+    """Make a LANS/NVLAMB client optimizer compute its norms per model tensor under ZeRO-1/2.
+    Returns False (nothing to do) when nothing is partitioned: its blocks are whole tensors already."""
+    partitions = group_partitions(engine_optimizer)
+    if partitions is None:
+        return False
+    client_optimizer.set_tensor_segments(tensor_segments(partitions), data_parallel_sum(engine_optimizer))
+    return True
