@@ -18,7 +18,7 @@ moment leaves ``latest`` naming a complete checkpoint, or leaves the previous ``
 
 Export for fine-tuning: consolidated_state_dict(output_dir, tag) gives the fp32 module weights
 (ZeRO-1/2: re-assembled from the per-rank optimizer partitions); from the shell:
-``python checkpointing.py export --output_dir D [--tag T] --out model.pt``.
+``python checkpointing.py export --output_dir D [--tag T] --out model.pt`` (D may be s3://bucket/prefix).
 
 Trust: DeepSpeed 0.19.8 reads its own ``*_states.pt`` files with ``torch.load(weights_only=False)``
 (``TorchCheckpointEngine.load``), i.e. with full pickle, which can run arbitrary code. Load only
@@ -38,6 +38,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+import storage
 
 MANIFEST_NAME = "complete.json"
 LATEST_NAME = "latest"
@@ -322,20 +325,30 @@ def _read_manifest(tag_dir: Path) -> tuple[dict | None, str | None]:
     if not tag_dir.is_dir():
         return None, "the directory does not exist"
     try:
-        manifest = json.loads((tag_dir / MANIFEST_NAME).read_text())
+        text = (tag_dir / MANIFEST_NAME).read_text()
     except FileNotFoundError:
         return None, f"no {MANIFEST_NAME} (its save was interrupted)"
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        return None, f"unreadable {MANIFEST_NAME}: {exc}"
+    sizes = {p.relative_to(tag_dir).as_posix(): p.stat().st_size for p in tag_dir.rglob("*") if p.is_file()}
+    return _check_manifest(text, sizes)
+
+
+def _check_manifest(text: str, sizes: dict) -> tuple[dict | None, str | None]:
+    """(manifest, None) when the manifest `text` parses and every file it lists is in `sizes`
+    ({relative name: bytes}, what the tag directory or prefix holds) with its recorded size."""
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
         return None, f"unreadable {MANIFEST_NAME}: {exc}"
     if not isinstance(manifest, dict) or manifest.get("format_version") != MANIFEST_FORMAT_VERSION \
             or not _MANIFEST_KEYS <= set(manifest):
         return None, f"{MANIFEST_NAME} is not a format-{MANIFEST_FORMAT_VERSION} manifest"
     for name, size in manifest["files"].items():
-        path = tag_dir / name
-        if not path.is_file():
+        if name not in sizes:
             return None, f"file {name} listed in {MANIFEST_NAME} is missing"
-        if path.stat().st_size != size:
-            return None, f"file {name} has {path.stat().st_size} bytes, {MANIFEST_NAME} says {size}"
+        if sizes[name] != size:
+            return None, f"file {name} has {sizes[name]} bytes, {MANIFEST_NAME} says {size}"
     return manifest, None
 
 
@@ -410,25 +423,33 @@ def _choose_tag(output_dir: Path) -> tuple[str, dict] | None:
         return None
     complete, broken = _scan(output_dir)
     latest = _read_latest(output_dir)
+    if latest is not None and latest not in broken and latest not in dict(complete):
+        broken[latest] = _read_manifest(output_dir / latest)[1]
+    return _choose_among(output_dir, complete, broken, latest)
+
+
+def _choose_among(output_dir, complete: list, broken: dict, latest: str | None) -> tuple[str, dict] | None:
+    """The rules of find_resume_tag over a scan (complete newest first, {tag: reason} of the others,
+    the content of `latest`) of a local directory or an S3 prefix."""
     by_tag = dict(complete)
     if latest is not None and latest in by_tag:
         return latest, by_tag[latest]
     if latest is not None:
-        reason = broken.get(latest) or _read_manifest(output_dir / latest)[1]
+        reason = broken[latest]
         if not complete:
             raise CheckpointError(f"no usable checkpoint in {output_dir}: `latest` names {latest!r}, "
                                   f"which is not usable ({reason}), and no other checkpoint is complete")
         warnings.warn(f"{output_dir}: `latest` names checkpoint {latest!r}, which is not usable "
                       f"({reason}); resuming from the newest complete checkpoint {complete[0][0]!r}",
-                      CheckpointWarning, stacklevel=3)
+                      CheckpointWarning, stacklevel=4)
         return complete[0]
     if complete:
         warnings.warn(f"{output_dir}: no `latest` file; resuming from the newest complete "
-                      f"checkpoint {complete[0][0]!r}", CheckpointWarning, stacklevel=3)
+                      f"checkpoint {complete[0][0]!r}", CheckpointWarning, stacklevel=4)
         return complete[0]
     if broken:
         warnings.warn(f"{output_dir}: ignoring unfinished checkpoint(s) {broken} "
-                      f"(no checkpoint was ever completed)", CheckpointWarning, stacklevel=3)
+                      f"(no checkpoint was ever completed)", CheckpointWarning, stacklevel=4)
     return None
 
 
@@ -506,6 +527,121 @@ def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:
     return doomed
 
 
+# --------------------------------------------------------------------------- copies on S3 (storage.py)
+#
+# With an s3:// output directory a checkpoint is saved locally as above (into a staging directory),
+# then copied: every file of the tag, then its manifest, then `latest`. S3 cannot rename, so this order
+# is the commit: `latest` on S3 names a tag only once that tag's files and manifest are all there.
+
+def _remote_scan(store) -> tuple[list, dict, str | None]:
+    """(complete checkpoints newest first, {tag: reason} of the others, `latest`) under an S3 prefix."""
+    sizes = {}
+    for remote in store.list_objects(recursive=True):
+        tag, _, name = remote.name.partition("/")
+        if name:
+            sizes.setdefault(tag, {})[name] = remote.size
+    complete, broken = [], {}
+    for tag, files in sorted(sizes.items()):
+        if MANIFEST_NAME in files:
+            manifest, reason = _check_manifest(store.get_bytes(f"{tag}/{MANIFEST_NAME}").decode(), files)
+        else:
+            manifest, reason = None, f"no {MANIFEST_NAME} (its upload was interrupted)"
+        if manifest is not None:
+            complete.append((tag, manifest))
+        elif any(name.endswith(".pt") for name in files):
+            broken[tag] = reason
+    complete.sort(key=lambda item: _tag_order_key(*item), reverse=True)
+    latest = store.get_bytes(LATEST_NAME).decode().strip() if store.exists(LATEST_NAME) else None
+    if latest is not None and latest not in broken and latest not in dict(complete):
+        broken[latest] = "nothing under that tag"
+    return complete, broken, latest
+
+
+def fetch_checkpoint(store, local_dir, tag: str | None = None) -> str | None:
+    """Download a complete checkpoint from an S3 prefix into local_dir, every file verified, the
+    manifest and then `latest` last; returns its tag. tag None: the one resume would use (the rules
+    of find_resume_tag), or None when the prefix holds no checkpoint."""
+    complete, broken, latest = _remote_scan(store)
+    if tag is None:
+        chosen = _choose_among(store.url(), complete, broken, latest)
+    elif tag in dict(complete):
+        chosen = tag, dict(complete)[tag]
+    else:
+        raise CheckpointError(f"no complete checkpoint {tag!r} in {store.url()}: {broken.get(tag, 'no such tag')}")
+    if chosen is None:
+        return None
+    tag, manifest = chosen
+    tag_dir = Path(local_dir) / tag
+    for name in [*manifest["files"], MANIFEST_NAME]:
+        (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        store.download(f"{tag}/{name}", tag_dir / name)
+    _write_text_atomically(Path(local_dir) / LATEST_NAME, tag)
+    return tag
+
+
+def upload_checkpoint(store, local_dir, tag: str) -> None:
+    """Copy a complete local checkpoint to S3 in commit order (see above). An earlier upload of the
+    same tag loses its manifest first, so that its old and new files are never taken as complete."""
+    tag_dir = Path(local_dir) / tag
+    manifest = json.loads((tag_dir / MANIFEST_NAME).read_text())
+    store.delete([f"{tag}/{MANIFEST_NAME}"])
+    for name in sorted(manifest["files"]):
+        store.upload(tag_dir / name, f"{tag}/{name}")
+    store.upload(tag_dir / MANIFEST_NAME, f"{tag}/{MANIFEST_NAME}")
+    store.put_bytes(LATEST_NAME, tag.encode())
+
+
+def prune_remote_checkpoints(store, keep_last_n: int) -> list[str]:
+    """prune_checkpoints for an S3 prefix: each doomed tag loses its manifest first, then its files."""
+    complete, _, latest = _remote_scan(store)
+    doomed = [tag for tag, _ in complete[keep_last_n:] if tag != latest]
+    for tag in doomed:
+        store.delete([f"{tag}/{MANIFEST_NAME}"])
+        store.delete([f"{tag}/{remote.name}" for remote in store.child(tag).list_objects(recursive=True)])
+    return doomed
+
+
+class CheckpointUploader:
+    """Copies each checkpoint saved into local_dir to S3, on rank 0, in a background thread: training
+    goes on meanwhile. finish() (collective) waits for the copy and raises CheckpointError on every
+    rank if it failed; call it before the next save and before the end of the run. After a copy, the
+    staging directory keeps only the newest checkpoint; on S3, keep_last_n applies (0 keeps all)."""
+
+    def __init__(self, store, local_dir, keep_last_n: int = 0):
+        self.store, self.local_dir, self.keep_last_n = store, Path(local_dir), keep_last_n
+        self._thread, self._error = None, None
+
+    def start(self, tag: str) -> None:
+        if _rank_and_world()[0] != 0:
+            return
+        self.wait()
+        self._thread = threading.Thread(target=self._copy, args=(str(tag),), name="checkpoint-upload", daemon=True)
+        self._thread.start()
+
+    def _copy(self, tag: str) -> None:
+        try:
+            upload_checkpoint(self.store, self.local_dir, tag)
+            if self.keep_last_n:
+                prune_remote_checkpoints(self.store, self.keep_last_n)
+        except (storage.StorageError, OSError) as exc:
+            self._error = f"checkpoint {tag} was not copied to {self.store.url()}: {exc}"
+            return
+        for old in self.local_dir.iterdir():
+            if old.is_dir() and old.name != tag and (old / MANIFEST_NAME).is_file():
+                _delete_tag_dir(old)
+
+    def wait(self) -> str | None:
+        """Wait for the copy under way (this rank only); its error message, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
+
+    def finish(self, device) -> None:
+        _raise_if_any_rank_failed(self.wait(), "copying a checkpoint to S3", device)
+
+
 # --------------------------------------------------------------------------- export for fine-tuning
 
 def consolidated_state_dict(output_dir, tag=None) -> dict:
@@ -572,15 +708,30 @@ def export_main(argv=None) -> int:
     export.add_argument("--output_dir", required=True, help="the training run's --output_dir")
     export.add_argument("--tag", default=None, help="checkpoint tag (default: the one resume would use)")
     export.add_argument("--out", required=True, help="file to write (loadable with weights_only=True)")
+    export.add_argument("--s3_endpoint_url", default=None, help="S3-compatible endpoint for an s3:// "
+                        "--output_dir (default: AWS_ENDPOINT_URL, else AWS)")
     args = parser.parse_args(argv)
     try:
-        weights = consolidated_state_dict(args.output_dir, args.tag)
+        if storage.is_s3_url(args.output_dir):
+            weights = _export_from_s3(args.output_dir, args.tag, args.s3_endpoint_url)
+        else:
+            weights = consolidated_state_dict(args.output_dir, args.tag)
         _write_atomically(Path(args.out).resolve(), lambda f: torch.save(weights, f))
-    except (CheckpointError, OSError) as err:
+    except (CheckpointError, OSError, storage.StorageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {len(weights)} tensors to {args.out}")
     return 0
+
+
+def _export_from_s3(url: str, tag: str | None, endpoint: str | None) -> dict:
+    """consolidated_state_dict of a checkpoint on S3, downloaded into a temporary directory."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="checkpoint-export-") as local:
+        tag = fetch_checkpoint(storage.S3Store(url, endpoint), local, tag)
+        if tag is None:
+            raise CheckpointError(f"no checkpoint in {url}")
+        return consolidated_state_dict(local, tag)
 
 
 if __name__ == "__main__":

@@ -181,8 +181,9 @@ class S3Store:
         try:
             self.client.upload_file(str(local), self.bucket, self.key(name), Config=_transfer_config())
         except (S3UploadFailedError, ClientError, BotoCoreError) as err:
-            raise self._error(err.__cause__ or err if isinstance(err, S3UploadFailedError) else err,
-                              f"cannot upload {local} to {self.url(name)}") from None
+            # boto3 wraps the ClientError in a text that quotes the server's message: describe the original
+            original = (err.__cause__ or err.__context__ or err) if isinstance(err, S3UploadFailedError) else err
+            raise self._error(original, f"cannot upload {local} to {self.url(name)}") from None
 
     def download(self, name: str, destination: Path, expected: RemoteObject | None = None) -> RemoteObject:
         """Download to `destination` (atomically: a temporary name, verified, then renamed); returns the

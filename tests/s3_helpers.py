@@ -106,20 +106,28 @@ class FaultInjector:
         return self.answer(request) if hit else None
 
 
-def install_faults(spec: str) -> FaultInjector:
-    """Register a FaultInjector on boto3's default session (storage.make_client's clients use it)."""
+def _events(client):
+    """The event system of a client, or of boto3's default session (which clients made later copy)."""
     import boto3
-    kind, first, count, *operation = spec.split(":")
-    injector = FaultInjector(kind, int(first), int(count), operation[0] if operation else None)
+    if client is not None:
+        return client.meta.events
     if boto3.DEFAULT_SESSION is None:
         boto3.setup_default_session()
-    boto3.DEFAULT_SESSION.events.register("before-send.s3", injector)
+    return boto3.DEFAULT_SESSION.events
+
+
+def install_faults(spec: str, client=None) -> FaultInjector:
+    """Register a FaultInjector on `client`, or on boto3's default session for clients made later
+    (storage.make_client's)."""
+    kind, first, count, *operation = spec.split(":")
+    injector = FaultInjector(kind, int(first), int(count), operation[0] if operation else None)
+    injector.events = _events(client)
+    injector.events.register("before-send.s3", injector)
     return injector
 
 
 def remove_faults(injector: FaultInjector) -> None:
-    import boto3
-    boto3.DEFAULT_SESSION.events.unregister("before-send.s3", injector)
+    injector.events.unregister("before-send.s3", injector)
 
 
 def install_faults_from_env():
