@@ -20,6 +20,11 @@ What differs from the reference, and why:
 A directory (or comma-separated list) of inputs with ``--output_file`` naming a directory gives
 one ``<stem>.hdf5`` per input, made in parallel by ``--n_processes`` workers; an ``--output_file``
 ending in .hdf5/.h5 gets every input in one shard. Existing outputs are skipped (``--overwrite``).
+
+S3 (storage.py): an ``--input_file`` of s3://bucket/prefix (its *.txt objects) or s3://bucket/x.txt is
+downloaded first, verified, into a temporary directory; an ``--output_file`` of s3://bucket/prefix gets
+one shard per input, each uploaded as soon as it is written and then removed locally (shards already
+under the prefix are skipped unless ``--overwrite``).
 """
 import argparse
 import bisect
@@ -29,6 +34,7 @@ import multiprocessing
 import os
 import random
 import sys
+import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -37,6 +43,7 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import storage  # noqa: E402
 from data.shard_format import ShardError, ShardWriter  # noqa: E402
 
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
@@ -386,6 +393,8 @@ def parse_arguments(argv=None):
                         help="characters of text processed at a time (bounds memory; random-next "
                              "documents and the shuffles are drawn within such a block)")
     parser.add_argument("--overwrite", action="store_true", help="rebuild shards that already exist")
+    parser.add_argument("--s3_endpoint_url", default=None, help="S3-compatible endpoint for s3:// inputs or "
+                        "outputs (default: AWS_ENDPOINT_URL, else AWS)")
     parser.add_argument("--bert_model", help=argparse.SUPPRESS)  # accepted and unused, as in the reference
     settings = parser.parse_args(argv)
     if not 0 < settings.max_predictions_per_seq < settings.max_seq_length - 2:
@@ -449,10 +458,12 @@ def _run_job(job_and_settings):
         return output, 0, str(err)
 
 
-def run(settings):
+def run(settings, existing=(), on_shard_done=None):
+    """existing: names of shards that exist elsewhere (S3) and count as done; on_shard_done(path) is
+    called in this process for each shard written."""
     cached_encoder(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
     jobs = plan_jobs(settings)
-    todo = [job for job in jobs if settings.overwrite or not job[1].exists()]
+    todo = [job for job in jobs if settings.overwrite or not (job[1].exists() or job[1].name in existing)]
     if len(todo) < len(jobs):
         print(f"skipping {len(jobs) - len(todo)} existing shard(s)", file=sys.stderr)
     workers = min(settings.n_processes, len(todo))
@@ -465,9 +476,11 @@ def run(settings):
         # disable=None: progress bars on terminals only, not in logs
         with tqdm(total=len(tasks), unit="shard", desc="shards", disable=None if len(tasks) > 1 else True) as bar:
             with multiprocessing.get_context("fork").Pool(workers) if workers > 1 else nullcontext() as pool:
-                for _, count, error in (pool.imap_unordered(_run_job, tasks) if pool else map(_run_job, tasks)):
+                for output, count, error in (pool.imap_unordered(_run_job, tasks) if pool else map(_run_job, tasks)):
                     total += count
                     errors += [error] if error else []
+                    if on_shard_done is not None and not error:
+                        on_shard_done(output)
                     bar.update()
     finally:  # an interrupted pool kills its workers mid-write
         remove_stale_temporaries(todo)
@@ -478,11 +491,52 @@ def run(settings):
     return total
 
 
+def run_with_s3(settings):
+    """run() with s3:// inputs downloaded first and shards for an s3:// output uploaded one by one."""
+    endpoint = settings.s3_endpoint_url
+    with tempfile.TemporaryDirectory(prefix="bert-data-s3-") as staging:
+        local, existing, on_shard_done = argparse.Namespace(**vars(settings)), (), None
+        if storage.is_s3_url(settings.input_file):
+            local.input_file = str(download_text(settings.input_file, endpoint, Path(staging) / "text"))
+        if storage.is_s3_url(settings.output_file):
+            if Path(settings.output_file).suffix in SHARD_SUFFIXES:
+                raise InputError("an s3:// --output_file is a prefix (one shard per input), not a shard file")
+            output = storage.S3Store(settings.output_file, endpoint)
+            output.check_access(write=True)
+            existing = {remote.name for remote in output.list_objects()}
+            local.output_file = str(Path(staging) / "shards")
+
+            def on_shard_done(path):
+                output.upload(path, path.name)
+                path.unlink()
+        return run(local, existing, on_shard_done)
+
+
+def download_text(url, endpoint, directory: Path) -> Path:
+    """The *.txt objects directly under an s3:// prefix (or the one object a .txt URL names), verified,
+    in `directory`; returns what to use as --input_file."""
+    directory.mkdir(parents=True)
+    if url.endswith(".txt"):
+        parent, _, name = url.rpartition("/")
+        storage.S3Store(parent, endpoint).download(name, directory / name)
+        return directory / name
+    store = storage.S3Store(url, endpoint)
+    names = [remote.name for remote in store.list_objects() if remote.name.endswith(".txt")]
+    if not names:
+        raise InputError(f"{url}: no *.txt objects under this prefix")
+    for name in tqdm(names, desc="download", unit="file", disable=None):
+        store.download(name, directory / name)
+    return directory
+
+
 def main(argv=None):
     settings = parse_arguments(argv)
     try:
-        run(settings)
-    except (InputError, OSError) as err:
+        if storage.is_s3_url(settings.input_file) or storage.is_s3_url(settings.output_file):
+            run_with_s3(settings)
+        else:
+            run(settings)
+    except (InputError, OSError, storage.StorageError) as err:
         print(f"create_pretraining_data.py: error: {err}", file=sys.stderr)
         return 1
     return 0
