@@ -32,7 +32,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import pickle
 import random
 import re
@@ -48,11 +47,11 @@ import torch
 import torch.distributed as dist
 
 import storage
+from atomic_write import fsync_path, write_atomically, write_text_atomically
 
 MANIFEST_NAME = "complete.json"
 LATEST_NAME = "latest"
 MANIFEST_FORMAT_VERSION = 1
-_TMP_MARKER = ".tmp."
 _MANIFEST_KEYS = {"format_version", "tag", "world_size", "model_config", "model_config_sha256",
                   "client_state_keys", "files", "saved_at_unix"}
 
@@ -96,37 +95,6 @@ def _raise_if_any_rank_failed(error: str | None, what: str, device) -> None:
         raise CheckpointError(error)
     if failed:
         raise CheckpointError(f"{what}: {failed} other rank(s) failed (see their error message)")
-
-
-# --------------------------------------------------------------------------- atomic file writes
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file, or a directory (which makes the renames done inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, write_fn) -> None:
-    """write_fn(file_object) writes to a temporary file in the same directory, which is then renamed
-    over `path`. On any OSError the temporary file is removed and `path` keeps its old content."""
-    tmp = path.with_name(f".{path.name}{_TMP_MARKER}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_path(path.parent)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    _write_atomically(path, lambda f: f.write(text.encode()))
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -200,9 +168,9 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
             engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
         if deepspeed_write_errors:
             raise deepspeed_write_errors[0]
-        # Every file of the tag goes through _write_atomically, which fsyncs it and the directory;
+        # Every file of the tag goes through write_atomically, which fsyncs it and the directory;
         # no further fsync is needed (see _commit for checkpoint engines that write on their own).
-        _write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
+        write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
     except OSError as exc:
         error = f"cannot write checkpoint {tag_dir} on rank {rank}: {exc}"
     try:
@@ -252,7 +220,7 @@ def _file_object_saves(engine, errors: list):
 
     def save(state_dict, path):
         try:
-            _write_atomically(Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
+            write_atomically(Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
         except OSError as exc:
             errors.append(exc)
 
@@ -270,7 +238,7 @@ def _prepare_tag_dir(output_dir: Path, tag: str) -> str | None:
             _delete_tag_dir(tag_dir)
         tag_dir.mkdir()
         # Probe: a read-only or full disk must fail here, before DeepSpeed writes anything.
-        _write_text_atomically(tag_dir / ".write_probe", "ok")
+        write_text_atomically(tag_dir / ".write_probe", "ok")
         (tag_dir / ".write_probe").unlink()
     except OSError as exc:
         return f"cannot write checkpoint {tag_dir}: {exc}"
@@ -299,8 +267,8 @@ def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsy
         raise OSError(f"rank files missing after the barrier: {missing}")
     if fsync_files:
         for name in files:
-            _fsync_path(tag_dir / name)
-        _fsync_path(tag_dir)
+            fsync_path(tag_dir / name)
+        fsync_path(tag_dir)
     manifest = {
         "format_version": MANIFEST_FORMAT_VERSION,
         "tag": tag,
@@ -313,8 +281,8 @@ def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsy
         "torch_version": torch.__version__,
         "saved_at_unix": time.time(),
     }
-    _write_text_atomically(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True))
-    _write_text_atomically(output_dir / LATEST_NAME, tag)
+    write_text_atomically(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True))
+    write_text_atomically(output_dir / LATEST_NAME, tag)
 
 
 # --------------------------------------------------------------------------- validation and resume
@@ -575,7 +543,7 @@ def fetch_checkpoint(store, local_dir, tag: str | None = None) -> str | None:
     for name in [*manifest["files"], MANIFEST_NAME]:
         (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
         store.download(f"{tag}/{name}", tag_dir / name)
-    _write_text_atomically(Path(local_dir) / LATEST_NAME, tag)
+    write_text_atomically(Path(local_dir) / LATEST_NAME, tag)
     return tag
 
 
@@ -716,7 +684,7 @@ def export_main(argv=None) -> int:
             weights = _export_from_s3(args.output_dir, args.tag, args.s3_endpoint_url)
         else:
             weights = consolidated_state_dict(args.output_dir, args.tag)
-        _write_atomically(Path(args.out).resolve(), lambda f: torch.save(weights, f))
+        write_atomically(Path(args.out).resolve(), lambda f: torch.save(weights, f))
     except (CheckpointError, OSError, storage.StorageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -22,14 +22,14 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+
+from atomic_write import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +111,8 @@ class BertConfig:
         return dataclasses.asdict(self)
 
     def to_json_file(self, path) -> None:
-        """Writes to a temporary file in the same directory, then renames: never a half-written config."""
-        directory = os.path.dirname(os.path.abspath(path))
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as file:
-            json.dump(self.to_dict(), file, indent=2)
-            file.write("\n")
-        os.replace(file.name, path)
+        """Atomically (atomic_write.py): never a half-written config."""
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def _is_real(value) -> bool:

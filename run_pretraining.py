@@ -17,43 +17,27 @@ loop (`train`) -> final checkpoint and summary.
 """
 
 import argparse
-import importlib.util
-import json
 import math
 import os
-import pickle
-import random
-import signal
-import socket
 import sys
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import checkpointing
+import runtime
 from data.dataset import RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
+from runtime import InputError, optimizer_step_suppressed
 from schedulers import PolyWarmUpScheduler
 
-try:
-    import dllogger
-except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
-    import dllogger_fallback as dllogger
-
-PROFILERS = ("pt", "pt-full", "hltv")
 IGNORED_FLAGS_HELP = "Does nothing."
-
-
-class InputError(ValueError):
-    """Bad command line, configuration or data, found before the first training step."""
 
 
 class TrainingStopped(RuntimeError):
@@ -62,15 +46,8 @@ class TrainingStopped(RuntimeError):
 
 # ============================================================================ arguments
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line: with ~50 flags the usage block would bury the message."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
+    parser = runtime.OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
     add = parser.add_argument
     add("--input_dir", required=True, help="Directory of HDF5 shards; files whose name contains 'training' are used.")
     add("--config_file", required=True, help="Model configuration JSON (modeling.BertConfig).")
@@ -124,11 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # DeepSpeed picks its accelerator when first imported: choose it before that.
-    if "--no_cuda" in argv:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    elif "--use_hpu" in argv:
-        os.environ.setdefault("DS_ACCELERATOR", "hpu")
+    runtime.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
     import deepspeed
     parser = build_parser()
     deepspeed.add_config_arguments(parser)
@@ -149,11 +122,7 @@ def validate_args(args, world_size: int) -> tuple:
     """Every check that needs no device: returns (ds_config, model_config, data_info); raises InputError."""
     if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if args.profile is not None and args.profile not in PROFILERS:
-        raise InputError(f"unknown --profile {args.profile!r}: choose one of {', '.join(PROFILERS)}")
-    if args.profile == "hltv" and not args.use_hpu:
-        raise InputError("--profile hltv is the Habana profiler: it needs --use_hpu (use pt or pt-full elsewhere)")
-    parse_profile_steps(args.profile_steps)
+    runtime.check_profiler(args.profile, args.profile_steps, args.use_hpu)
     for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -177,29 +146,8 @@ def validate_args(args, world_size: int) -> tuple:
 
 
 def load_deepspeed_config(args, world_size: int) -> dict:
-    """Read the DeepSpeed JSON and check the batch arithmetic and what a client optimizer needs."""
-    if not args.deepspeed_config:
-        raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu_zero1.json)")
-    try:
-        config = json.loads(Path(args.deepspeed_config).read_text())
-    except (OSError, ValueError) as err:
-        raise InputError(f"--deepspeed_config {args.deepspeed_config}: {err}") from err
-    micro = config.get("train_micro_batch_size_per_gpu")
-    total = config.get("train_batch_size")
-    if not isinstance(micro, int) or not isinstance(total, int) or micro <= 0 or total <= 0:
-        raise InputError(f"{args.deepspeed_config}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
-    gas = config.get("gradient_accumulation_steps", total // (micro * world_size))
-    if total != micro * gas * world_size or gas < 1:
-        raise InputError(f"{args.deepspeed_config}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
-                         f"x gradient_accumulation_steps {gas} x world size {world_size}")
-    config["gradient_accumulation_steps"] = gas
-    zero_stage = config.get("zero_optimization", {}).get("stage", 0)
-    if args.optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
-        raise InputError(f"{args.deepspeed_config}: ZeRO with --optimizer {args.optimizer} needs "
-                         '"zero_allow_untested_optimizer": true')
-    if config.get("tensorboard", {}).get("enabled") and importlib.util.find_spec("tensorboard") is None:
-        raise InputError(f"{args.deepspeed_config} enables TensorBoard but the tensorboard package is not installed "
-                         "(pip install tensorboard, or set tensorboard.enabled to false)")
+    """The DeepSpeed JSON (runtime.load_deepspeed_config) and an optimizer from it or --optimizer."""
+    config = runtime.load_deepspeed_config(args.deepspeed_config, world_size, client_optimizer=args.optimizer)
     if args.optimizer is None and "optimizer" not in config:
         raise InputError(f"no optimizer: pass --optimizer or add an optimizer section to {args.deepspeed_config}")
     return config
@@ -224,91 +172,12 @@ def inspect_data(args, global_micro_batch: int) -> DataInfo:
     return DataInfo(shards, seq_len, max_pred, num_samples)
 
 
-def parse_profile_steps(text: str) -> tuple:
-    try:
-        start, end = (int(x) for x in text.split(","))
-    except ValueError as err:
-        raise InputError(f"--profile_steps must be 'start,end' (integers), got {text!r}") from err
-    if not 0 <= start <= end:
-        raise InputError(f"--profile_steps needs 0 <= start <= end, got {text!r}")
-    return start, end
-
-
-# ============================================================================ device, backend, DeepSpeed traps
-
-def setup_device_and_distributed(args) -> torch.device:
-    """The only place that touches backends, environment variables and DeepSpeed's CPU traps."""
-    if "RANK" not in os.environ:  # started without a launcher: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0)))
-    if args.use_hpu:
-        try:
-            import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
-            import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers hccl)
-        except ImportError as err:
-            raise InputError(f"--use_hpu needs the SynapseAI PyTorch bridge (habana_frameworks): {err}") from err
-        device, backend = torch.device("hpu"), "hccl"
-    elif torch.cuda.is_available() and not args.no_cuda:
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        _share_cores_between_local_ranks()
-    import deepspeed
-    import deepspeed.ops
-    if device.type == "cpu":
-        # Trap 1: DeepSpeed JIT-compiles a shared-memory op (25-70 s, needs g++ and ninja) in
-        # init_distributed on CPU; it only serves inference all-reduce.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend)
-    return device
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _share_cores_between_local_ranks():
-    """Trap: the deepspeed launcher does not set OMP_NUM_THREADS, so N ranks on one machine would each
-    use every core (measured 20-30x slower steps with 2 ranks on 2 cores). Respect a user's setting."""
-    local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if "OMP_NUM_THREADS" not in os.environ and local_ranks > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-
-
 # ============================================================================ model, optimizer, engine
-
-@contextmanager
-def optimizer_step_suppressed(optimizer):
-    """Within this block optimizer.step() does nothing (weights, moments and step counters untouched).
-
-    Used (a) around deepspeed.initialize, where bf16 + ZeRO-0 wraps the optimizer in
-    FP16_UnfusedOptimizer, which takes one zero-gradient step (trap 5: it would apply weight decay and
-    shift LANS's step count, and with it the LR schedule); (b) around engine.step() for a step whose
-    loss is not finite, so that DeepSpeed's bookkeeping runs but the update does not."""
-    if optimizer is None:
-        yield
-        return
-    optimizer.step = lambda closure=None: None
-    try:
-        yield
-    finally:
-        del optimizer.step
-
 
 def build_model(args, config: BertConfig):
     model = BertForPreTraining(config)
     if args.init_checkpoint:
-        load_init_weights(model, args.init_checkpoint)
+        runtime.load_init_weights(model, args.init_checkpoint)
     if args.checkpoint_activations:
         import deepspeed
         model.checkpoint_activations(True, args.checkpoint_activations_interval,
@@ -316,36 +185,8 @@ def build_model(args, config: BertConfig):
     return model
 
 
-def load_init_weights(model, path) -> None:
-    """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
-    export of checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
-    path = Path(path)
-    file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
-        raise InputError(f"--init_checkpoint: cannot read {file} ({one_line(err)})") from err
-    state = state.get("module", state) if isinstance(state, dict) else state
-    if not isinstance(state, dict):
-        raise InputError(f"--init_checkpoint: {file} holds no state dict")
-    state.pop("cls.predictions.decoder.bias", None)  # Hugging Face stores the tied decoder bias twice
-    try:
-        model.load_state_dict({key: value.float() for key, value in state.items()})
-    except RuntimeError as err:  # missing/unexpected keys or shapes: another model config
-        config = model.config
-        raise InputError(f"--init_checkpoint {file} does not fit the model config (hidden {config.hidden_size}, "
-                         f"{config.num_hidden_layers} layers, padded vocab {config.padded_vocab_size}): "
-                         f"{one_line(err)}") from err
-
-
-def one_line(err: Exception, limit: int = 400) -> str:
-    """torch's multi-line error text folded into one bounded line, for the one-line CLI error."""
-    return " ".join(str(err).split())[:limit]
-
-
 def build_engine(args, model, ds_config: dict):
-    """deepspeed.initialize with the client optimizer and scheduler; returns (engine, client optimizer)."""
-    import deepspeed
+    """The client optimizer and scheduler the flags ask for, then runtime.initialize_engine."""
     groups = get_parameter_groups(model)
     optimizer = scheduler = None
     if args.optimizer:
@@ -358,10 +199,7 @@ def build_engine(args, model, ds_config: dict):
                                                 constant=args.constant_proportion)
         except ValueError as err:  # an impossible LR, betas or schedule
             raise InputError(f"optimizer / LR schedule: {err}") from err
-    with optimizer_step_suppressed(optimizer):
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               model_parameters=None if optimizer else groups, config=ds_config)
-    return engine, optimizer or engine.optimizer
+    return runtime.initialize_engine(model, ds_config, optimizer, scheduler, parameter_groups=groups)
 
 
 # ============================================================================ resume, phase 2
@@ -460,22 +298,6 @@ def save(run, state: TrainState) -> str:
 
 
 # ============================================================================ logging
-
-def step_format(step) -> str:
-    if isinstance(step, tuple) and len(step) == 2:
-        return f"Training Epoch: {step[0]} Training Iteration: {step[1]}"
-    return str(step)
-
-
-def build_logger(args, rank: int):
-    """Rank 0: JSON stream (--json-summary) + stdout; other ranks: a logger without backends."""
-    if rank != 0:
-        return dllogger.Logger(backends=[])
-    Path(args.json_summary).parent.mkdir(parents=True, exist_ok=True)
-    return dllogger.Logger(backends=[
-        dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE, args.json_summary),
-        dllogger.StdOutBackend(dllogger.Verbosity.VERBOSE, step_format=step_format)])
-
 
 @dataclass
 class LogWindow:
@@ -647,39 +469,6 @@ def make_progress_bar(args, state: TrainState, max_steps: int):
     return tqdm(total=max_steps, initial=state.global_step, desc="steps", disable=disable, dynamic_ncols=True)
 
 
-@contextmanager
-def stop_requests():
-    """SIGTERM/SIGINT set an event instead of killing the process; the loop checks it at step ends."""
-    event = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield event  # signal handlers can only be installed from the main thread
-        return
-    previous = {sig: signal.signal(sig, lambda *_: event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield event
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def build_profiler(args, results_dir: Path):
-    """torch profiler over the micro-steps --profile_steps (inclusive), or None."""
-    if args.profile is None:
-        return None
-    start, end = parse_profile_steps(args.profile_steps)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.use_hpu and hasattr(torch.profiler.ProfilerActivity, "HPU"):  # Habana's torch build
-        activities.append(torch.profiler.ProfilerActivity.HPU)
-    elif torch.cuda.is_available() and not args.no_cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    trace_dir = results_dir / "profile"
-    return torch.profiler.profile(
-        # One warm-up step before the traced ones when there is one (the reference uses none).
-        activities=activities, schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=min(start, 1),
-                                                                active=end - start + 1, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)), with_stack=args.profile == "pt-full")
-
-
 # ============================================================================ main
 
 def main(argv=None) -> dict:
@@ -688,10 +477,10 @@ def main(argv=None) -> dict:
     args = parse_arguments(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config, model_config, data = validate_args(args, world_size)
-    device = setup_device_and_distributed(args)
+    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
-    seed_everything(args.seed + rank)
-    logger = build_logger(args, rank)
+    runtime.seed_everything(args.seed + rank)
+    logger = runtime.build_logger(args.json_summary, rank)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     log_parameters(logger, args, ds_config)
     engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)
@@ -708,10 +497,11 @@ def main(argv=None) -> dict:
     run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
               data.seq_len, model_config, say, reader.stream.epoch_size, data_layout)
     first_step = state.global_step
-    profiler = build_profiler(args, Path(args.json_summary).parent)
+    profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
+                                      args.use_hpu, args.no_cuda)
     train_started = time.perf_counter()
     try:
-        with stop_requests() as stop_event, profiler if profiler is not None else nullcontext():
+        with runtime.stop_requests() as stop_event, profiler if profiler is not None else nullcontext():
             final = train(run, state, batches, stop_event, profiler)
     finally:
         batches.close()
@@ -743,19 +533,7 @@ def log_parameters(logger, args, ds_config: dict):
 
 def cli(argv=None) -> int:
     """Command-line entry: one clear error line and a non-zero exit code instead of a traceback."""
-    try:
-        main(argv)
-        status = 0
-    except (InputError, ShardError, checkpointing.CheckpointError, TrainingStopped) as err:
-        if isinstance(err, InputError) and os.environ.get("RANK", "0") != "0":
-            status = 1  # the same validation fails on every rank: rank 0 reports it
-        else:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            status = 1
-    if dist.is_available() and dist.is_initialized() and status == 0:
-        dist.barrier()  # rare exit-time abort with 2 ranks otherwise (deepspeed_cpu.md, section 0)
-        dist.destroy_process_group()
-    return status
+    return runtime.run_cli(main, argv, (ShardError, checkpointing.CheckpointError, TrainingStopped))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from atomic_write import atomic_path, remove_stale_temporaries, write_atomically  # noqa: E402
 from data import create_pretraining_data, sharding  # noqa: E402
-from data.create_pretraining_data import InputError  # noqa: E402
+from errors import InputError  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_WIKI_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
@@ -129,29 +130,16 @@ def book_files(books_dir):
     return files
 
 
-def write_atomically(dest, write_lines):
-    """Call write_lines(file) on a temporary file next to dest, then rename it to dest."""
-    tmp = Path(f"{dest}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            write_lines(out)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def run_wikiextractor(dump, extracted, n_processes):
     """Run WikiExtractor (as a tool: it is AGPL) into extracted/, JSON output, one doc per line."""
-    tmp = Path(f"{extracted}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    command = [sys.executable, "-m", "wikiextractor.WikiExtractor", str(dump), "--json", "-b", "100M",
-               "--processes", str(n_processes), "-q", "-o", str(tmp)]
-    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-        raise InputError(f"WikiExtractor failed on {dump} (unreadable or truncated dump?): {last}")
-    os.replace(tmp, extracted)
+    remove_stale_temporaries(extracted)
+    with atomic_path(extracted) as tmp:
+        command = [sys.executable, "-m", "wikiextractor.WikiExtractor", str(dump), "--json", "-b", "100M",
+                   "--processes", str(n_processes), "-q", "-o", str(tmp)]
+        result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise InputError(f"WikiExtractor failed on {dump} (unreadable or truncated dump?): {last}")
 
 
 def format_wiki(dump, extracted, dest, n_processes):
@@ -174,7 +162,7 @@ def format_wiki(dump, extracted, dest, n_processes):
         if count == 0:
             raise InputError(f"{dump}: WikiExtractor found no articles")
 
-    write_atomically(dest, write_articles)
+    write_atomically(dest, write_articles, text=True)
     print(f"text_formatting: {count} articles -> {dest}", file=sys.stderr)
 
 
@@ -197,7 +185,7 @@ def format_books(books_dir, dest):
             if text:
                 out.write(text + "\n\n")
 
-    write_atomically(dest, write_books)
+    write_atomically(dest, write_books, text=True)
     print(f"text_formatting: {len(files)} books -> {dest}", file=sys.stderr)
 
 

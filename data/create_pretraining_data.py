@@ -43,18 +43,16 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import atomic_write  # noqa: E402
 import storage  # noqa: E402
 from data.shard_format import ShardError, ShardWriter  # noqa: E402
+from errors import InputError  # noqa: E402
 
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
 SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time
 TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the tokenizer's per-token Encoding objects
 MASK_BATCH_ROWS = 4096  # instances assembled and masked per numpy batch
-
-
-class InputError(Exception):
-    """Bad input or settings; the message is shown to the user as is."""
 
 
 def derive_seed(random_seed, shard_name):
@@ -445,8 +443,7 @@ def plan_jobs(settings):
 def remove_stale_temporaries(jobs):
     """Delete temporary files of these outputs left by a killed or failed run."""
     for _, path in jobs:
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)
+        atomic_write.remove_stale_temporaries(path)
 
 
 def _run_job(job_and_settings):

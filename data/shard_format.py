@@ -3,12 +3,12 @@
 The keys, ranks and dtypes are those of the shards written by Google's and NVIDIA's
 ``create_pretraining_data.py``, so shards made by either side are interchangeable.
 """
-import os
-import tempfile
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+from atomic_write import AtomicPath
 
 # key -> (dtype written by write_shard, rank, name of the second dimension)
 SHARD_KEYS = {
@@ -67,15 +67,12 @@ class ShardWriter:
         self.chunk_rows = 1 << max(0, (CHUNK_BYTES // (4 * seq_len)).bit_length() - 1)  # a power of two
         self.num_samples = 0
         self._pending = []
-        self._tmp_name = None
+        self._target = AtomicPath(self.path)
         self._file = None
 
     def __enter__(self):
-        fd, self._tmp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
         try:
-            os.chmod(self._tmp_name, 0o644)  # mkstemp creates 0600; shards are meant to be shared
-            self._file = h5py.File(self._tmp_name, "w")
+            self._file = h5py.File(self._target.tmp, "w")
             for key, (dtype, rank, dim_name) in SHARD_KEYS.items():
                 tail = (self.widths[dim_name],) if rank == 2 else ()
                 self._file.create_dataset(key, shape=(0,) + tail, maxshape=(None,) + tail, dtype=dtype,
@@ -89,8 +86,7 @@ class ShardWriter:
         """Close and delete the temporary file (idempotent)."""
         if self._file is not None:
             self._file.close()
-        if os.path.exists(self._tmp_name):
-            os.unlink(self._tmp_name)
+        self._target.discard()
 
     def append(self, arrays):
         """Append rows; ``arrays`` maps every SHARD_KEYS key to an array with the same row count."""
@@ -122,7 +118,7 @@ class ShardWriter:
             if exc_type is None:
                 self._flush(whole_chunks_only=False)
                 self._file.close()
-                os.replace(self._tmp_name, self.path)
+                self._target.commit()
         finally:
             self._discard()
         return False

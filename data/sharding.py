@@ -19,12 +19,13 @@ in memory; the second pass copies each shard's articles out of the scratch file.
 import heapq
 import multiprocessing
 import os
-import shutil
 from array import array
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from atomic_write import atomic_path, remove_stale_temporaries
 
 ARTICLES_PER_TASK = 256
 
@@ -130,10 +131,10 @@ def shard_corpus(input_files, out_dir, dataset, n_training, n_test, fraction_tes
     if out_dir.exists():
         return False
     check_shard_counts(n_training, n_test, fraction_test)  # before the long sentence-splitting pass
-    tmp = Path(f"{out_dir}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
         scratch = tmp / "sentences.scratch"
         offsets, counts = split_to_scratch(input_files, scratch, n_processes)
         shard_of = assign_articles(counts, n_training, n_test, fraction_test)
@@ -141,7 +142,4 @@ def shard_corpus(input_files, out_dir, dataset, n_training, n_test, fraction_tes
         names += [f"{dataset}_test_{i}.txt" for i in range(n_test)]
         write_shards(scratch, offsets, shard_of, names, tmp)
         scratch.unlink()
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return True

@@ -18,7 +18,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from data.shard_format import write_shard  # noqa: E402  (needs the repo root on sys.path)
-from run_pretraining import free_port  # noqa: E402,F401  (also used by the checkpoint worker's tests)
+from runtime import free_port  # noqa: E402,F401  (used by the tests that start processes)
 
 VENV_BIN = Path(sys.executable).parent
 TINY_MODEL_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"

@@ -279,7 +279,7 @@ def test_sigkill_while_writing_then_rerun_equals_uninterrupted_run(tmp_path):
     process = subprocess.Popen([sys.executable, str(SCRIPT), "--vocab_file", str(VOCAB), *map(str, args),
                                 "--output_file", str(killed_dir / "s.hdf5")], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not any(p.stat().st_size > 100_000 for p in killed_dir.glob(".s.hdf5.*.tmp")):
+    while not any(p.stat().st_size > 100_000 for p in killed_dir.glob(".s.hdf5.tmp.*")):
         assert process.poll() is None and time.monotonic() < deadline, "writer finished before it was killed"
         time.sleep(0.005)
     os.kill(process.pid, signal.SIGKILL)

@@ -20,6 +20,7 @@ import torch
 
 import helpers
 import run_pretraining as rp
+import runtime
 from modeling import BertPretrainingCriterion
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
@@ -153,7 +154,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)
     args = rp.parse_arguments(argv)
     ds_dict, model_config, _ = rp.validate_args(args, 1)
-    rp.setup_device_and_distributed(args)
+    runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
 
     def masters_and_steps():
         engine, optimizer = rp.build_engine(args, rp.build_model(args, model_config), dict(ds_dict))
@@ -163,7 +164,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
         return unchanged, [g["step"] for g in optimizer.param_groups], len(optimizer.state)
 
     assert masters_and_steps() == (True, [0, 0], 0)
-    monkeypatch.setattr(rp, "optimizer_step_suppressed", lambda optimizer: nullcontext())
+    monkeypatch.setattr(runtime, "optimizer_step_suppressed", lambda optimizer: nullcontext())
     unchanged, steps, _ = masters_and_steps()
     assert not unchanged and steps == [1, 1]
 
@@ -182,7 +183,7 @@ def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
     import deepspeed.ops
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config))
-    rp.setup_device_and_distributed(args)
+    runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
 
 

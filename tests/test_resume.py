@@ -30,6 +30,7 @@ import helpers  # noqa: E402  (puts the repo root on sys.path)
 import checkpointing  # noqa: E402
 import modeling  # noqa: E402
 import run_pretraining  # noqa: E402
+from errors import InputError  # noqa: E402
 from data.dataset import SampleStream, scan_shards  # noqa: E402
 from data.shard_format import ShardError  # noqa: E402
 from test_checkpointing import read_only  # noqa: E402
@@ -362,7 +363,7 @@ def test_truncated_shard_is_named_before_training(tmp_path):
     bad = helpers.write_synthetic_shards(data, SHARD_SIZES)[1]
     os.truncate(bad, bad.stat().st_size // 2)
     config = ds_config(tmp_path, 1, False, 1)
-    with pytest.raises(run_pretraining.InputError, match=rf"{re.escape(str(bad))}: cannot read as HDF5 .*truncated"):
+    with pytest.raises(InputError, match=rf"{re.escape(str(bad))}: cannot read as HDF5 .*truncated"):
         main_in_process(driver_args(data, tmp_path / "out", config, tmp_path / "a.json", 4, skip_bad_shards=True))
     assert not (tmp_path / "out" / "latest").exists()
 

@@ -1,0 +1,10 @@
+"""The project's error type for bad input: the entry points print its message as one line and exit non-zero."""
+
+
+class InputError(ValueError):
+    """Bad command line, configuration or data, found before the work that it would spoil starts."""
+
+
+def one_line(err: Exception, limit: int = 400) -> str:
+    """A (torch) multi-line error text folded into one bounded line, for the one-line CLI error."""
+    return " ".join(str(err).split())[:limit]

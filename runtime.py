@@ -1,0 +1,275 @@
+"""What every DeepSpeed entry point (run_pretraining.py, run_glue.py, run_squad.py) needs, in one place.
+
+- `choose_accelerator` before DeepSpeed's first import, then `setup_device_and_distributed`: device,
+  backend and DeepSpeed's CPU traps; `seed_everything` (callers pass seed + global rank);
+- `load_deepspeed_config`: the JSON and its batch arithmetic; `initialize_engine`: deepspeed.initialize
+  with a client optimizer and scheduler (and the guard against its zero-gradient step);
+- `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
+- `InputError` (errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
+
+Functions take explicit values, not an argparse namespace. DeepSpeed is imported lazily: it picks its
+accelerator on first import.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import pickle
+import random
+import signal
+import socket
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from errors import InputError, one_line
+
+try:
+    import dllogger
+except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
+    import dllogger_fallback as dllogger
+
+__all__ = ["InputError", "one_line"]  # re-exported: entry points take the error type from here
+
+PROFILERS = ("pt", "pt-full", "hltv")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line: with ~50 flags the usage block would bury the message."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+# ============================================================================ device, backend, DeepSpeed traps
+
+def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
+    """DeepSpeed picks its accelerator when first imported: call this before that (a user's
+    DS_ACCELERATOR wins)."""
+    if no_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif use_hpu:
+        os.environ.setdefault("DS_ACCELERATOR", "hpu")
+
+
+def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1) -> torch.device:
+    """The only place that touches backends, environment variables and DeepSpeed's CPU traps."""
+    if "RANK" not in os.environ:  # started without a launcher: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", max(local_rank, 0)))
+    if use_hpu:
+        try:
+            import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
+            import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers hccl)
+        except ImportError as err:
+            raise InputError(f"--use_hpu needs the SynapseAI PyTorch bridge (habana_frameworks): {err}") from err
+        device, backend = torch.device("hpu"), "hccl"
+    elif torch.cuda.is_available() and not no_cuda:
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        _share_cores_between_local_ranks()
+    import deepspeed
+    import deepspeed.ops
+    if device.type == "cpu":
+        # Trap 1: DeepSpeed JIT-compiles a shared-memory op (25-70 s, needs g++ and ninja) in
+        # init_distributed on CPU; it only serves inference all-reduce.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend)
+    return device
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _share_cores_between_local_ranks():
+    """Trap: the deepspeed launcher does not set OMP_NUM_THREADS, so N ranks on one machine would each
+    use every core (measured 20-30x slower steps with 2 ranks on 2 cores). Respect a user's setting."""
+    local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if "OMP_NUM_THREADS" not in os.environ and local_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+# ============================================================================ DeepSpeed config and engine
+
+def load_deepspeed_config(path, world_size: int, client_optimizer: str | None = None) -> dict:
+    """Read the DeepSpeed JSON; check the batch arithmetic and what a client optimizer (its name, or
+    None when the JSON's optimizer is used) needs. Sets gradient_accumulation_steps."""
+    if not path:
+        raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu_zero1.json)")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(f"--deepspeed_config {path}: {err}") from err
+    micro = config.get("train_micro_batch_size_per_gpu")
+    total = config.get("train_batch_size")
+    if not isinstance(micro, int) or not isinstance(total, int) or micro <= 0 or total <= 0:
+        raise InputError(f"{path}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps", total // (micro * world_size))
+    if total != micro * gas * world_size or gas < 1:
+        raise InputError(f"{path}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
+                         f"x gradient_accumulation_steps {gas} x world size {world_size}")
+    config["gradient_accumulation_steps"] = gas
+    zero_stage = config.get("zero_optimization", {}).get("stage", 0)
+    if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
+        raise InputError(f"{path}: ZeRO with --optimizer {client_optimizer} needs "
+                         '"zero_allow_untested_optimizer": true')
+    if config.get("tensorboard", {}).get("enabled") and importlib.util.find_spec("tensorboard") is None:
+        raise InputError(f"{path} enables TensorBoard but the tensorboard package is not installed "
+                         "(pip install tensorboard, or set tensorboard.enabled to false)")
+    return config
+
+
+@contextmanager
+def optimizer_step_suppressed(optimizer):
+    """Within this block optimizer.step() does nothing (weights, moments and step counters untouched).
+
+    Used (a) around deepspeed.initialize, where bf16 + ZeRO-0 wraps the optimizer in
+    FP16_UnfusedOptimizer, which takes one zero-gradient step (trap 5: it would apply weight decay and
+    shift LANS's step count, and with it the LR schedule); (b) around engine.step() for a step whose
+    loss is not finite, so that DeepSpeed's bookkeeping runs but the update does not."""
+    if optimizer is None:
+        yield
+        return
+    optimizer.step = lambda closure=None: None
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, parameter_groups=None):
+    """deepspeed.initialize with a client optimizer and scheduler (None: the JSON's, over
+    parameter_groups); returns (engine, the optimizer that steps: the client's or DeepSpeed's)."""
+    import deepspeed
+    with optimizer_step_suppressed(optimizer):
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               model_parameters=None if optimizer else parameter_groups,
+                                               config=ds_config)
+    return engine, optimizer or engine.optimizer
+
+
+def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
+    """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
+    export of checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
+    path = Path(path)
+    file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+        raise InputError(f"{flag}: cannot read {file} ({one_line(err)})") from err
+    state = state.get("module", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise InputError(f"{flag}: {file} holds no state dict")
+    state.pop("cls.predictions.decoder.bias", None)  # Hugging Face stores the tied decoder bias twice
+    try:
+        model.load_state_dict({key: value.float() for key, value in state.items()})
+    except RuntimeError as err:  # missing/unexpected keys or shapes: another model config
+        config = model.config
+        raise InputError(f"{flag} {file} does not fit the model config (hidden {config.hidden_size}, "
+                         f"{config.num_hidden_layers} layers, padded vocab {config.padded_vocab_size}): "
+                         f"{one_line(err)}") from err
+
+
+# ============================================================================ logging, stop requests, profiler
+
+def step_format(step) -> str:
+    if isinstance(step, tuple) and len(step) == 2:
+        return f"Training Epoch: {step[0]} Training Iteration: {step[1]}"
+    return str(step)
+
+
+def build_logger(json_summary, rank: int):
+    """Rank 0: JSON stream (--json-summary) + stdout; other ranks: a logger without backends."""
+    if rank != 0:
+        return dllogger.Logger(backends=[])
+    Path(json_summary).parent.mkdir(parents=True, exist_ok=True)
+    return dllogger.Logger(backends=[
+        dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE, str(json_summary)),
+        dllogger.StdOutBackend(dllogger.Verbosity.VERBOSE, step_format=step_format)])
+
+
+@contextmanager
+def stop_requests():
+    """SIGTERM/SIGINT set an event instead of killing the process; the loop checks it at step ends."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event  # signal handlers can only be installed from the main thread
+        return
+    previous = {sig: signal.signal(sig, lambda *_: event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield event
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def parse_profile_steps(text: str) -> tuple:
+    try:
+        start, end = (int(x) for x in text.split(","))
+    except ValueError as err:
+        raise InputError(f"--profile_steps must be 'start,end' (integers), got {text!r}") from err
+    if not 0 <= start <= end:
+        raise InputError(f"--profile_steps needs 0 <= start <= end, got {text!r}")
+    return start, end
+
+
+def check_profiler(kind: str | None, steps: str, use_hpu: bool) -> None:
+    if kind is not None and kind not in PROFILERS:
+        raise InputError(f"unknown --profile {kind!r}: choose one of {', '.join(PROFILERS)}")
+    if kind == "hltv" and not use_hpu:
+        raise InputError("--profile hltv is the Habana profiler: it needs --use_hpu (use pt or pt-full elsewhere)")
+    parse_profile_steps(steps)
+
+
+def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: bool, no_cuda: bool):
+    """torch profiler over the micro-steps `steps` ("start,end", inclusive), or None when kind is None."""
+    if kind is None:
+        return None
+    start, end = parse_profile_steps(steps)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if use_hpu and hasattr(torch.profiler.ProfilerActivity, "HPU"):  # Habana's torch build
+        activities.append(torch.profiler.ProfilerActivity.HPU)
+    elif torch.cuda.is_available() and not no_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace_dir = Path(results_dir) / "profile"
+    return torch.profiler.profile(
+        # One warm-up step before the traced ones when there is one (the reference uses none).
+        activities=activities, schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=min(start, 1),
+                                                                active=end - start + 1, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)), with_stack=kind == "pt-full")
+
+
+# ============================================================================ command line
+
+def run_cli(main, argv, errors: tuple) -> int:
+    """main(argv) with one clear error line and exit status 1 for `errors` (plus InputError) instead of a
+    traceback. A bad-input error is the same on every rank: only rank 0 prints it."""
+    try:
+        main(argv)
+        status = 0
+    except (InputError, *errors) as err:
+        if not (isinstance(err, InputError) and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        status = 1
+    if dist.is_available() and dist.is_initialized() and status == 0:
+        dist.barrier()  # rare exit-time abort with 2 ranks otherwise (deepspeed_cpu.md, section 0)
+        dist.destroy_process_group()
+    return status
