@@ -1,0 +1,110 @@
+"""squad_metrics.py against hand-computed cases (normalisation, F1, gold answers, v2.0 no-answer scoring and
+best thresholds) and its command line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import squad_metrics as m
+from squad_helpers import REPO_ROOT
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The Cat!", "cat"),
+    ("  an   apple\tpie\n", "apple pie"),
+    ("A.B.C.", "abc"),                     # punctuation goes first: not the article "a"
+    ("state-of-the-art", "stateoftheart"),  # ... so an article glued by hyphens stays
+    ("the theatre, an answer", "theatre answer"),  # articles only as whole words
+    ("Their THE thE", "their"),
+    ("«Élan»", "«élan»"),                  # only ASCII punctuation is removed, as in the official script
+    ("the", ""),
+    ("", ""),
+])
+def test_normalize_answer(text, expected):
+    assert m.normalize_answer(text) == expected
+
+
+def test_exact_match_and_f1_hand_computed():
+    assert m.exact_match("The Eiffel Tower.", "eiffel tower") == 1.0
+    assert m.exact_match("Eiffel", "eiffel tower") == 0.0
+    # "quick brown fox" vs "quick fox jumps": 2 common tokens, P = R = 2/3
+    assert m.f1_score("the quick brown fox", "a quick fox jumps") == pytest.approx(2 / 3)
+    # tokens count with multiplicity: "very very good" vs "very good": common 2, P = 2/3, R = 1 -> 0.8
+    assert m.f1_score("very very good", "very good") == pytest.approx(0.8)
+    assert m.f1_score("very good", "very very good") == pytest.approx(0.8)
+    assert m.f1_score("Darcy", "Elizabeth") == 0.0
+    # an empty side scores only against another empty side (v2.0's rule)
+    assert m.f1_score("", "") == 1.0 and m.f1_score("", "Darcy") == 0.0 and m.f1_score("the", "Darcy") == 0.0
+
+
+def squad(qas, version="1.1", context="Mr. Darcy danced with Elizabeth at Netherfield."):
+    return {"version": version, "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}
+
+
+def qa(qid, *answers):
+    return {"id": qid, "question": "?", "answers": [{"text": a, "answer_start": 0} for a in answers]}
+
+
+def test_v1_max_over_gold_answers():
+    dataset = squad([qa("1", "Darcy", "Mr. Darcy"), qa("2", "at Netherfield", "Netherfield"), qa("3", "Elizabeth")])
+    predictions = {"1": "mr darcy", "2": "Netherfield ball", "3": "Jane"}
+    # 1: exact against the second gold. 2: F1 vs "at netherfield" is 0.5 (P = R = 1/2), vs "netherfield"
+    # 2/3 (P = 1/2, R = 1): the max, 2/3; not exact. 3: 0.
+    result = m.evaluate(dataset, predictions)
+    assert result == {"exact_match": pytest.approx(100 / 3), "f1": pytest.approx(100 * (1 + 2 / 3 + 0) / 3)}
+
+
+def test_v1_missing_prediction_scores_zero():
+    result = m.evaluate(squad([qa("1", "Darcy"), qa("2", "Elizabeth")]), {"1": "Darcy"})
+    assert result == {"exact_match": 50.0, "f1": 50.0}
+
+
+def v2_dataset():
+    # A and C have answers; B and D are unanswerable (no gold, or only golds that normalise to "").
+    return squad([qa("A", "Darcy"), {"id": "B", "question": "?", "answers": [], "is_impossible": True},
+                  qa("C", "Elizabeth"), qa("D", "the")], version="v2.0")
+
+
+def test_v2_no_answer_scoring_and_splits():
+    predictions = {"A": "Darcy", "B": "", "C": "", "D": "Netherfield"}
+    result = m.evaluate(v2_dataset(), predictions)
+    # A right, B right (empty for unanswerable), C wrong (empty for answerable), D wrong (text for unanswerable)
+    assert result == {"exact": 50.0, "f1": 50.0, "total": 4, "HasAns_exact": 50.0, "HasAns_f1": 50.0,
+                      "HasAns_total": 2, "NoAns_exact": 50.0, "NoAns_f1": 50.0, "NoAns_total": 2}
+
+
+def test_v2_best_threshold_hand_computed():
+    predictions = {"A": "Darcy", "B": "x", "C": "Jane", "D": "y"}
+    na_probs = {"A": 0.1, "B": 0.9, "C": 0.5, "D": 0.3}
+    # Sweep from "all empty" (2 of 4 right): answer A (+1 -> 3, best, threshold 0.1), then D (-1), C (+0), B (-1).
+    result = m.evaluate(v2_dataset(), predictions, na_probs)
+    assert result["best_exact"] == 75.0 and result["best_exact_thresh"] == 0.1
+    assert result["best_f1"] == 75.0 and result["best_f1_thresh"] == 0.1
+    assert result["exact"] == 25.0  # threshold 1.0: nobody is switched to ""
+    # Threshold 0.4: B (0.9) and C (0.5) count as answered "": B becomes right, C stays wrong.
+    assert m.evaluate(v2_dataset(), predictions, na_probs, na_prob_thresh=0.4)["exact"] == 50.0
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "squad_metrics.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_official_dicts(tmp_path):
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps(v2_dataset()))
+    (tmp_path / "pred.json").write_text(json.dumps({"A": "Darcy", "B": "x", "C": "Jane", "D": "y"}))
+    (tmp_path / "odds.json").write_text(json.dumps({"A": 0.1, "B": 0.9, "C": 0.5, "D": 0.3}))
+    result = run_cli(data, tmp_path / "pred.json", "--na-prob-file", tmp_path / "odds.json")
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed["exact"] == 25.0 and printed["best_exact"] == 75.0 and printed["NoAns_total"] == 2
+
+
+def test_cli_malformed_json_is_one_line(tmp_path):
+    (tmp_path / "dev.json").write_text('{"data": [\n  {"paragraphs": ]\n}')
+    (tmp_path / "pred.json").write_text("{}")
+    result = run_cli(tmp_path / "dev.json", tmp_path / "pred.json")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "dev.json: malformed JSON at line 2 column" in result.stderr
