@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from data.create_pretraining_data import InputError
+from errors import InputError
 from data import squad
 from squad_helpers import REPO_ROOT, sample_sentences, word_questions, write_squad
 
@@ -236,12 +236,18 @@ def position_of(features, f, context, text):
     return int(np.flatnonzero(starts == char)[0]), int(np.flatnonzero(ends == char + len(text))[0])
 
 
+def one_answer_case(tokenizer, context, answer, seq_len=64):
+    """An example whose logits peak (+10) on `answer`: (example, features, start logits, end logits, s, e)."""
+    example = squad.SquadExample("q", "Which?", context, [answer])
+    features = squad.convert_examples_to_features([example], tokenizer, seq_len, max_query_length=16)
+    s, e = position_of(features, 0, context, answer)
+    start, end = peaked_logits(features, [(0, s, e)], seq_len)
+    return example, features, start, end, s, e
+
+
 def test_decoding_writes_the_original_text(tokenizer):
     context = "Sir Walter Elliot, of Kellynch-hall, in Somersetshire, was a man who never took up any book."
-    example = squad.SquadExample("q", "Where?", context, ["Kellynch-hall"])
-    features = squad.convert_examples_to_features([example], tokenizer, 64, max_query_length=16)
-    s, e = position_of(features, 0, context, "Kellynch-hall")
-    start, end = peaked_logits(features, [(0, s, e)], 64)
+    example, features, start, end, _, _ = one_answer_case(tokenizer, context, "Kellynch-hall")
     result = squad.decode_predictions([example], features, start, end, n_best_size=5)
     assert result.answers == {"q": "Kellynch-hall"} and result.null_odds == {}
     nbest = result.nbest["q"]
@@ -291,10 +297,7 @@ def test_decoding_uses_the_max_context_window(tokenizer, long_paragraph):
 
 def test_v2_null_score_rule(tokenizer):
     context = "Captain Wentworth wrote the letter at the White Hart."
-    example = squad.SquadExample("q", "Who wrote?", context, ["Captain Wentworth"])
-    features = squad.convert_examples_to_features([example], tokenizer, 48, max_query_length=16)
-    s, e = position_of(features, 0, context, "Captain Wentworth")
-    start, end = peaked_logits(features, [(0, s, e)], 48)
+    example, features, start, end, s, e = one_answer_case(tokenizer, context, "Captain Wentworth", seq_len=48)
     best = start[0, s] + end[0, e]
     for null, threshold, expected in [(best - 1, 0.0, "Captain Wentworth"), (best + 1, 0.0, ""),
                                       (best + 1, 2.0, "Captain Wentworth")]:
