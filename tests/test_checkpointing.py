@@ -385,39 +385,37 @@ def test_disk_full_inside_deepspeed_write(two_checkpoints, monkeypatch):
     assert_previous_intact(two_checkpoints)
 
 
-def test_failed_latest_update_leaves_no_temp_file(two_checkpoints, monkeypatch):
-    real_replace = os.replace
+def save_with_a_failing_rename(out, monkeypatch, fails) -> list:
+    """Save checkpoint 6 into `out` while os.replace raises ENOSPC where fails(destination name, commit
+    renames so far) is true; returns the names of the commit renames (manifest, `latest`) in call order."""
+    real_replace, commit_renames = os.replace, []
 
-    def replace_failing_for_latest(src, dst):
-        if Path(dst).name == "latest":
+    def replace(src, dst):
+        name = Path(dst).name
+        if name in (checkpointing.MANIFEST_NAME, checkpointing.LATEST_NAME):
+            commit_renames.append(name)
+        if fails(name, commit_renames):
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
     engine = make_engine(seed=0, stage=1)
-    monkeypatch.setattr(os, "replace", replace_failing_for_latest)
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(CheckpointError, match="cannot commit checkpoint .*No space left on device"):
-        save(engine, two_checkpoints, 6)
+        save(engine, out, 6)
     monkeypatch.undo()
+    return commit_renames
+
+
+def test_failed_latest_update_leaves_no_temp_file(two_checkpoints, monkeypatch):
+    save_with_a_failing_rename(two_checkpoints, monkeypatch, lambda name, _: name == checkpointing.LATEST_NAME)
     assert_previous_intact(two_checkpoints)
 
 
 def test_failure_between_the_commit_renames_keeps_the_previous_checkpoint(two_checkpoints, monkeypatch):
     """The commit renames the manifest and `latest` into place. Whichever of the two comes second fails
     here: the previous checkpoint must stay what `latest` names, so `latest` has to move last."""
-    real_replace, commit_renames = os.replace, []
-
-    def replace_failing_at_second_commit_rename(src, dst):
-        if Path(dst).name in (checkpointing.MANIFEST_NAME, checkpointing.LATEST_NAME):
-            commit_renames.append(Path(dst).name)
-            if len(commit_renames) == 2:
-                raise OSError(5, "Input/output error")
-        return real_replace(src, dst)
-
-    engine = make_engine(seed=0, stage=1)
-    monkeypatch.setattr(os, "replace", replace_failing_at_second_commit_rename)
-    with pytest.raises(CheckpointError, match="cannot commit checkpoint .*Input/output error"):
-        save(engine, two_checkpoints, 6)
-    monkeypatch.undo()
+    commit_renames = save_with_a_failing_rename(two_checkpoints, monkeypatch,
+                                                lambda name, renames: name in renames and len(renames) == 2)
     assert_previous_intact(two_checkpoints)
     assert commit_renames == [checkpointing.MANIFEST_NAME, checkpointing.LATEST_NAME]
 
