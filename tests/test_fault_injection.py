@@ -18,8 +18,10 @@ import subprocess
 import warnings
 
 import pytest
+import torch
 
 import checkpointing
+import run_pretraining
 from test_resume import (SHARD_SIZES, STEP_LOSS, checkpoint_differences, driver_args, ds_config, finish, run,
                          start, step_losses)
 import helpers
@@ -27,16 +29,48 @@ import helpers
 KILLS = 20
 TARGET_STEPS = 48          # 192 samples: the runs cross two epoch boundaries (81 samples each)
 EVERY = 2                  # --num_steps_per_checkpoint
-SAVE_FILES = 3             # torch.save calls per save, one rank: model states, ZeRO optimizer, state_0.pt
-SAVE_RENAMES = 4           # os.replace calls per save: write probe, state_0.pt, manifest, latest
 KINDS = ("backward", "step", "torch_save", "replace", "delay")
 KIND_WEIGHTS = (3, 2, 2, 2, 1)
 MAX_DELAY_S = 12.0         # covers start-up (imports, engine) and the first steps on a loaded machine
 
 
-def draw_kill(rng: random.Random, remaining_steps: int) -> tuple[str, float]:
+def calls_per_save(tmp_path, data, config, monkeypatch) -> dict:
+    """{"torch_save": n, "replace": n}: the calls one checkpoint save makes, counted on an in-process probe
+    run with the test's own configuration (so the draws reach every write and rename of a save, the
+    commit's last ones included, whatever the ZeRO stage). The kills count these calls from the start
+    of the process, so none may happen outside a save."""
+    counts, inside = {"torch_save": 0, "replace": 0, "saves": 0, "outside": 0}, [False]
+
+    def counting(function, kind):
+        def wrapper(*args, **kwargs):
+            counts[kind if inside[0] else "outside"] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    def counted_save(*args, **kwargs):
+        inside[0] = True
+        counts["saves"] += 1
+        try:
+            return real_save_checkpoint(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    real_save_checkpoint = checkpointing.save_checkpoint
+    monkeypatch.setattr(torch, "save", counting(torch.save, "torch_save"))
+    monkeypatch.setattr(os, "replace", counting(os.replace, "replace"))
+    monkeypatch.setattr(checkpointing, "save_checkpoint", counted_save)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    run_pretraining.main(driver_args(data, tmp_path / "probe", config, tmp_path / "probe.json", 2 * EVERY,
+                                     num_steps_per_checkpoint=EVERY))
+    monkeypatch.undo()
+    assert counts["saves"] == 2 and counts["outside"] == 0, counts
+    assert counts["torch_save"] % 2 == 0 and counts["replace"] % 2 == 0, counts
+    return {"torch_save": counts["torch_save"] // 2, "replace": counts["replace"] // 2}
+
+
+def draw_kill(rng: random.Random, remaining_steps: int, per_save: dict) -> tuple[str, float]:
     """(kind, n): die at the n-th event of that kind (or after n seconds for "delay"), chosen within
-    the next few steps so that every draw happens before the run could end."""
+    the next few steps so that every draw happens before the run could end. per_save: calls_per_save."""
     # A delay could outlast a short remaining run, which would then end without being killed.
     kinds = KINDS if remaining_steps > 12 else KINDS[:-1]
     kind = rng.choices(kinds, KIND_WEIGHTS[:len(kinds)])[0]
@@ -44,10 +78,8 @@ def draw_kill(rng: random.Random, remaining_steps: int) -> tuple[str, float]:
     saves_ahead = max(1, steps_ahead // EVERY)
     if kind in ("backward", "step"):
         return kind, rng.randint(1, steps_ahead)
-    if kind == "torch_save":
-        return kind, rng.randint(1, SAVE_FILES * saves_ahead)
-    if kind == "replace":
-        return kind, rng.randint(1, SAVE_RENAMES * saves_ahead)
+    if kind in per_save:
+        return kind, rng.randint(1, per_save[kind] * saves_ahead)
     return kind, round(rng.uniform(0.0, MAX_DELAY_S), 2)
 
 
@@ -82,17 +114,18 @@ def latest_step(out) -> int:
 
 
 @pytest.mark.slow
-def test_twenty_random_kills_then_same_result(tmp_path):
+def test_twenty_random_kills_then_same_result(tmp_path, monkeypatch):
     rng = random.Random(int(os.environ.get("FAULT_SEED", "20261122")))
     data = tmp_path / "data"
     helpers.write_synthetic_shards(data, SHARD_SIZES)
     config = ds_config(tmp_path, stage=1, bf16=True, world=1)
+    per_save = calls_per_save(tmp_path, data, config, monkeypatch)
     reference = run(driver_args(data, tmp_path / "ref", config, tmp_path / "ref.json", TARGET_STEPS), 1)
 
     out, outputs, kills, resumes, broken_latest, history = tmp_path / "out", [], 0, 0, 0, []
     while latest_step(out) < TARGET_STEPS:
         assert len(outputs) < 4 * KILLS, f"no progress: {history}"
-        kill = draw_kill(rng, TARGET_STEPS - latest_step(out)) if kills < KILLS else None
+        kill = draw_kill(rng, TARGET_STEPS - latest_step(out), per_save) if kills < KILLS else None
         status, output = run_once(driver_args(data, out, config, tmp_path / f"run{len(outputs)}.json",
                                               TARGET_STEPS, num_steps_per_checkpoint=EVERY), kill)
         outputs.append(output)
@@ -110,8 +143,8 @@ def test_twenty_random_kills_then_same_result(tmp_path):
     loss_mismatches = sum(loss != expected[step] for step, loss in logged)  # re-done steps count each time
     tensor_mismatches = len(checkpoint_differences(tmp_path / "ref" / str(TARGET_STEPS), out / str(TARGET_STEPS)))
     mismatches = loss_mismatches + tensor_mismatches + broken_latest
-    print(f"\nfault injection: {kills} kills, {resumes} resumes, {len(outputs)} runs, {mismatches} mismatches "
-          f"({loss_mismatches} step losses, {tensor_mismatches} checkpoint tensors, {broken_latest} unusable "
+    print(f"\nfault injection ({per_save} calls per save): {kills} kills, {resumes} resumes, {len(outputs)} runs, "
+          f"{mismatches} mismatches ({loss_mismatches} step losses, {tensor_mismatches} checkpoint tensors, {broken_latest} unusable "
           f"`latest`); kills: {[k for k, s, _ in history if s == -signal.SIGKILL]}")
     assert kills == KILLS
     assert mismatches == 0
