@@ -9,18 +9,34 @@
 #   HL_HOSTSFILE         DeepSpeed hostfile for several servers (default scripts/hostsfile)
 #   HL_MAX_STEPS HL_RUN_STEPS HL_NUM_STEPS_PER_CP HL_LOG_FREQ  schedule and cadence
 #   HL_DEVICE            hpu (default, --use_hpu) | cuda | cpu (--no_cuda)
-#   HL_DATA_DIR          the shard directory itself (default: the phase-1 dataset under HL_DATA_DIR_ROOT)
+#   HL_DATA_DIR          the shard directory itself (default: the phase's dataset under HL_DATA_DIR_ROOT)
+#   HL_PHASE1_END_STEP   phase-2 launchers: the step of phase 1's last checkpoint in HL_CHECKPOINTS_DIR
 # Extra arguments given to a launcher are appended to run_pretraining.py's arguments.
+# A launcher sets PHASE=2 for phase 2: seq 512 / 80 predictions, its own schedule and dllogger_phase2.json,
+# resuming phase 1's checkpoints directory (phase-2 tags continue after phase 1's last step).
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PHASE1_DATASET="hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/books_wiki_en_corpus"
+PHASE2_DATASET="hdf5_lower_case_1_seq_len_512_max_pred_80_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/books_wiki_en_corpus"
 
 die() {
     echo "error: $*" >&2
     exit 1
 }
 
-# The reference's phase-1 schedule and data shape, common to every launcher.
+# Phase 1: the reference's schedule and data shape, common to every phase-1 launcher. Phase 2 (the reference
+# has no phase-2 launcher): NVIDIA's BERT recipe scaled to our phase 1 (LR 2/3 of phase 1's, warm-up 12.8 %).
+phase_args() {
+    case "${PHASE:-1}" in
+        1) PHASE_ARGS=(--max_predictions_per_seq=20 --learning_rate=0.0015 --warmup_proportion=0.05
+                       --constant_proportion=0.25 --json-summary="$RESULTS_DIR/dllogger.json") ;;
+        2) PHASE_ARGS=(--phase2 --phase1_end_step="$PHASE1_END_STEP" --max_predictions_per_seq=80
+                       --learning_rate=0.001 --warmup_proportion=0.128 --constant_proportion=0
+                       --json-summary="$RESULTS_DIR/dllogger_phase2.json") ;;
+        *) die "PHASE must be 1 or 2, not '${PHASE}'" ;;
+    esac
+}
+
 pretraining_args() {
     local device_args=()
     case "${HL_DEVICE:-hpu}" in
@@ -29,20 +45,20 @@ pretraining_args() {
         cpu) device_args=(--no_cuda) ;;
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
     esac
+    phase_args
     PRETRAINING_ARGS=(
         "${device_args[@]}" --disable_progress_bar --optimizer=lans --use_lr_scheduler --resume_from_checkpoint
-        --config_file="$MODEL_CONFIG"
-        --json-summary="$RESULTS_DIR/dllogger.json" --output_dir="$CHECKPOINTS_DIR" --seed=12439
-        --input_dir="$DATA_DIR" --max_predictions_per_seq=20
+        --config_file="$MODEL_CONFIG" --output_dir="$CHECKPOINTS_DIR" --seed=12439 --input_dir="$DATA_DIR"
         --max_steps="$MAX_STEPS" --steps_this_run="$RUN_STEPS" --num_steps_per_checkpoint="$NUM_STEPS_PER_CP"
-        --learning_rate=0.0015 --warmup_proportion=0.05 --constant_proportion=0.25 --scheduler_degree=1.0
-        --log_freq="$LOG_FREQ" --deepspeed --deepspeed_config="$DS_CONFIG"
+        "${PHASE_ARGS[@]}" --scheduler_degree=1.0 --log_freq="$LOG_FREQ" --deepspeed --deepspeed_config="$DS_CONFIG"
     )
 }
 
 # Resolve the HL_* overrides against the launcher's defaults (set before calling this).
 resolve_settings() {
-    DATA_DIR="${HL_DATA_DIR:-${HL_DATA_DIR_ROOT:-/data/pytorch/bert/pretraining}/$PHASE1_DATASET}"
+    local dataset="$PHASE1_DATASET"
+    [[ "${PHASE:-1}" == 2 ]] && dataset="$PHASE2_DATASET"
+    DATA_DIR="${HL_DATA_DIR:-${HL_DATA_DIR_ROOT:-/data/pytorch/bert/pretraining}/$dataset}"
     MODEL_CONFIG="${HL_MODEL_CONFIG:-$DEFAULT_MODEL_CONFIG}"
     DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
     RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
@@ -54,9 +70,13 @@ resolve_settings() {
     RUN_STEPS="${HL_RUN_STEPS:--1}"
     NUM_STEPS_PER_CP="${HL_NUM_STEPS_PER_CP:-$DEFAULT_NUM_STEPS_PER_CP}"
     LOG_FREQ="${HL_LOG_FREQ:-$DEFAULT_LOG_FREQ}"
+    PHASE1_END_STEP="${HL_PHASE1_END_STEP:-${DEFAULT_PHASE1_END_STEP:-}}"
     [[ -d "$DATA_DIR" ]] || die "data directory $DATA_DIR does not exist (set HL_DATA_DIR_ROOT or HL_DATA_DIR; build it with data/create_datasets_from_start.sh)"
     [[ -f "$MODEL_CONFIG" ]] || die "model config $MODEL_CONFIG does not exist"
     [[ -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
+    if [[ "${PHASE:-1}" == 2 && ! -f "$CHECKPOINTS_DIR/latest" ]]; then
+        die "phase 2 starts from phase 1's last checkpoint, and $CHECKPOINTS_DIR has none (set HL_CHECKPOINTS_DIR or HL_RESULTS_DIR to phase 1's)"
+    fi
     command -v deepspeed > /dev/null || die "the deepspeed launcher is not on PATH (activate the virtual environment)"
 }
 

@@ -125,6 +125,35 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
         assert expected in program, expected
 
 
+def test_phase2_launcher_resumes_phase1_checkpoints_with_phase2_data_and_schedule(stub_launcher):
+    env, tmp_path = stub_launcher
+    checkpoints = tmp_path / "results" / "checkpoints"
+    result = launch("run_bert_1.5b_8x_phase2.sh", env)
+    assert result.returncode == 1 and result.stderr.strip() == (
+        f"error: phase 2 starts from phase 1's last checkpoint, and {checkpoints} has none (set HL_CHECKPOINTS_DIR or "
+        "HL_RESULTS_DIR to phase 1's)")
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "latest").write_text("155000")
+    env.pop("HL_DATA_DIR")
+    env["HL_DATA_DIR_ROOT"] = str(tmp_path / "root")
+    phase2_data = (tmp_path / "root" / "hdf5_lower_case_1_seq_len_512_max_pred_80_masked_lm_prob_0.15_random_seed_12345"
+                   "_dupe_factor_5" / "books_wiki_en_corpus")
+    phase2_data.mkdir(parents=True)
+    result = launch("run_bert_1.5b_8x_phase2.sh", env)
+    assert result.returncode == 0, result.stderr
+    program = (tmp_path / "args").read_text().splitlines()
+    for expected in ("--phase2", "--phase1_end_step=155000", "--resume_from_checkpoint", f"--input_dir={phase2_data}",
+                     f"--output_dir={checkpoints}", "--max_predictions_per_seq=80", "--learning_rate=0.001",
+                     "--warmup_proportion=0.128", "--constant_proportion=0", "--max_steps=51667",
+                     f"--json-summary={tmp_path / 'results' / 'dllogger_phase2.json'}",
+                     f"--deepspeed_config={SCRIPTS / 'deepspeed_config_bert_1.5b_phase2.json'}"):
+        assert expected in program, expected
+    assert "--max_predictions_per_seq=20" not in program
+    env["HL_PHASE1_END_STEP"] = "7038"
+    assert launch("run_bert_1.5b_8x_phase2.sh", env).returncode == 0
+    assert "--phase1_end_step=7038" in (tmp_path / "args").read_text().splitlines()
+
+
 def test_hl_overrides_reach_the_command(stub_launcher):
     env, tmp_path = stub_launcher
     env.update(HL_NUM_NODES="1", HL_NGPU_PER_NODE="2", HL_DEVICE="cpu", HL_MAX_STEPS="7", HL_RUN_STEPS="3",
@@ -156,6 +185,7 @@ def test_several_nodes_without_hostfile_fail_early(stub_launcher):
 
 @pytest.mark.parametrize("name,world,gas,stage", [("deepspeed_config_bert_1.5b.json", 8, 48, 1),
                                                   ("deepspeed_config_bert_1.5b.json", 32, 12, 1),
+                                                  ("deepspeed_config_bert_1.5b_phase2.json", 8, 64, 1),
                                                   ("deepspeed_config_bert_5b.json", 128, 4, 2)])
 def test_reference_deepspeed_configs_are_accepted_by_stock_deepspeed(tmp_path, name, world, gas, stage):
     import json
