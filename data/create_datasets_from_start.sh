@@ -12,12 +12,16 @@
 # <work> is $BERT_PREP_WORKING_DIR (default: data/). Every step is also callable alone:
 #   python data/bert_prep.py --action {download|text_formatting|sharding|create_hdf5_files} --dataset ...
 # Overrides (environment): WIKI_DUMP_URL, WIKI_DUMP_SHA1, BOOKS_DIR, VOCAB_FILE, N_TRAINING_SHARDS,
-# N_TEST_SHARDS, FRACTION_TEST_SET, DUPE_FACTOR, RANDOM_SEED, N_PROCESSES, PHASES ("1 2").
+# N_TEST_SHARDS, FRACTION_TEST_SET, DUPE_FACTOR, RANDOM_SEED, N_PROCESSES, PHASES ("1 2"),
+# PYTHON (default: <repo>/.venv/bin/python when it exists and no other environment is active, else python3).
 # A rerun skips every output that is already complete.
 set -euo pipefail
 
 DATA_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-PYTHON="${PYTHON:-python3}"
+# The project's virtual environment when there is one (scripts/setup_venv.sh), else python3 from PATH.
+default_python=python3
+[[ -x "$DATA_DIR/../.venv/bin/python" && -z "${VIRTUAL_ENV:-}" ]] && default_python="$DATA_DIR/../.venv/bin/python"
+PYTHON="${PYTHON:-$default_python}"
 MODE="${1:-wiki_only}"
 PHASES="${PHASES:-1 2}"
 
