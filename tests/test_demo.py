@@ -1,6 +1,7 @@
 """The README's main command, scripts/run_bert_tiny_cpu.sh, end to end: the offline data pipeline on the
 committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher (ZeRO-1, bf16, LANS)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,14 +15,28 @@ from data.shard_format import read_shard_header
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
-    results = tmp_path / "results"
-    env = dict(os.environ, VENV=sys.prefix, RESULTS_DIR=str(results), MAX_STEPS="40",
-               MASTER_PORT=str(helpers.free_port()))
+def run_demo(tmp_path, **settings):
+    env = dict(os.environ, VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"), MASTER_PORT=str(helpers.free_port()),
+               **settings)
     run = subprocess.run(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def tensorboard_scalars(directory, tag) -> list:
+    """(step, value) of one scalar in the TensorBoard event files under `directory`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    (run_dir,) = {path.parent for path in Path(directory).rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+@pytest.mark.slow
+def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
+    results = tmp_path / "results"
+    run = run_demo(tmp_path, MAX_STEPS="40")
 
     # The shards came out of the whole pipeline (WikiExtractor, sharding, create_pretraining_data).
     shards = sorted(results.rglob("books_wiki_en_corpus_training_*.hdf5"))
@@ -40,3 +55,20 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
         assert key in summary
     assert (results / "checkpoints" / "latest").read_text().strip() == "40"
     assert "final_loss" in run.stdout
+    # TensorBoard got the same windows as the dllogger JSON; the PNG was written.
+    logged = [(r["step"][1], r["data"]["average_loss"]) for r in records if "average_loss" in r["data"]]
+    assert [(step, pytest.approx(value)) for step, value in tensorboard_scalars(results / "tensorboard",
+                                                                                "Train/average_loss")] == logged
+    assert (results / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    # Phase 2 continues from phase 1's checkpoint 40 on the sample's 512/80 shards, in results/phase2.
+    run_demo(tmp_path, PHASE="2", MAX_STEPS="10")
+    assert all(read_shard_header(path)[1:] == (512, 80)
+               for path in results.rglob("*seq_len_512*/books_wiki_en_corpus/*training*.hdf5"))
+    phase2 = results / "phase2"
+    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "50"  # tags continue after phase 1's
+    assert (results / "checkpoints" / "latest").read_text().strip() == "40"  # phase 1 untouched
+    steps = helpers.step_records(phase2 / "dllogger.json")
+    assert [r["step"][1] for r in steps] == [10]
+    assert math.isfinite(steps[0]["data"]["average_loss"]) and steps[0]["data"]["average_loss"] < windows[0]
+    assert (phase2 / "loss.png").exists() and tensorboard_scalars(phase2 / "tensorboard", "Train/average_loss")
