@@ -5,7 +5,7 @@ Launch through the DeepSpeed launcher (scripts/run_bert_*.sh), e.g. for 2 CPU ra
 
     deepspeed --num_gpus 2 --no_local_rank run_pretraining.py --config_file scripts/bert_tiny_config.json \
         --input_dir DATA --output_dir OUT --optimizer lans --use_lr_scheduler --deepspeed \
-        --deepspeed_config scripts/deepspeed_config_bert_tiny_cpu_zero1.json
+        --deepspeed_config scripts/deepspeed_config_bert_tiny_cpu.json
 
 or as one process with `python run_pretraining.py ...`. Flags follow the Habana reference (same names and
 defaults); the README lists where the behaviour differs. `main(argv)` returns the run summary as a dict,

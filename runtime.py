@@ -113,7 +113,7 @@ def load_deepspeed_config(path, world_size: int, client_optimizer: str | None = 
     """Read the DeepSpeed JSON; check the batch arithmetic and what a client optimizer (its name, or
     None when the JSON's optimizer is used) needs. Sets gradient_accumulation_steps."""
     if not path:
-        raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu_zero1.json)")
+        raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu.json)")
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -142,7 +142,7 @@ def optimizer_step_suppressed(optimizer):
     """Within this block optimizer.step() does nothing (weights, moments and step counters untouched).
 
     Used (a) around deepspeed.initialize, where bf16 + ZeRO-0 wraps the optimizer in
-    FP16_UnfusedOptimizer, which takes one zero-gradient step (trap 5: it would apply weight decay and
+    FP16_UnfusedOptimizer, which takes one zero-gradient step (it would apply weight decay and
     shift LANS's step count, and with it the LR schedule); (b) around engine.step() for a step whose
     loss is not finite, so that DeepSpeed's bookkeeping runs but the update does not."""
     if optimizer is None:
@@ -270,6 +270,6 @@ def run_cli(main, argv, errors: tuple) -> int:
             print(f"error: {err}", file=sys.stderr, flush=True)
         status = 1
     if dist.is_available() and dist.is_initialized() and status == 0:
-        dist.barrier()  # rare exit-time abort with 2 ranks otherwise (deepspeed_cpu.md, section 0)
+        dist.barrier()  # else a second rank rarely aborts at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
         dist.destroy_process_group()
     return status
