@@ -132,8 +132,12 @@ def validate_args(args, world_size: int) -> tuple:
     if not args.data_memory_budget_mb > 0:
         raise InputError(f"--data_memory_budget_mb must be positive, got {args.data_memory_budget_mb}")
     output_dir = Path(args.output_dir)
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not args.resume_from_checkpoint:
+    # Another rank's write probe (below) may be there for a moment: it does not count.
+    if (output_dir.is_dir() and not args.resume_from_checkpoint
+            and any(not p.name.startswith(runtime.WRITE_PROBE_PREFIX) for p in output_dir.iterdir())):
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint or use an empty directory")
+    runtime.check_writable_directory(output_dir, "--output_dir")
+    runtime.check_writable_file(args.json_summary, "--json-summary")
     if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
         raise InputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
     ds_config = load_deepspeed_config(args, world_size)
@@ -265,7 +269,32 @@ def restore_state(args, engine, optimizer, config: BertConfig, data_layout: dict
         check_data_layout(client["data_layout"], data_layout, tag)
     say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
         f"{state.samples_consumed} samples consumed")
+    if fresh_schedule is not None and not (args.phase2 and client["phase"] == 1):
+        follow_changed_schedule(engine.lr_scheduler, fresh_schedule, say)
     return state
+
+
+SCHEDULE_FLAGS = {"total_steps": "--max_steps", "warmup": "--warmup_proportion",
+                  "constant": "--constant_proportion", "degree": "--scheduler_degree", "base_lrs": "--learning_rate"}
+
+
+def follow_changed_schedule(scheduler, wanted: dict, say) -> None:
+    """A resume with another --max_steps, warm-up, constant part, degree or LR: the schedule of the new
+    flags from the step reached on. The restored scheduler would follow the old flags: past the old
+    --max_steps its LR is 0, so a longer run would train at LR 0. The LR curve bends (or jumps) here."""
+    saved = scheduler.state_dict()
+    changes = [f"{flag} {saved[key][0] if key == 'base_lrs' else saved[key]} -> "
+               f"{wanted[key][0] if key == 'base_lrs' else wanted[key]}"
+               for key, flag in SCHEDULE_FLAGS.items() if saved[key] != wanted[key]]
+    if not changes:
+        return
+    old_lr = scheduler.get_lr()[0]
+    scheduler.load_state_dict({**wanted, "last_step": saved["last_step"]})
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr(), strict=True):
+        group["lr"] = lr
+    say(f"the LR schedule changed since the checkpoint ({', '.join(changes)}): from step {saved['last_step']} on, "
+        f"the LR follows the new flags ({old_lr:.4g} -> {scheduler.get_lr()[0]:.4g} at that step); the LR curve "
+        f"bends there")
 
 
 def start_phase2(engine, optimizer, fresh_schedule):
@@ -480,7 +509,7 @@ def main(argv=None) -> dict:
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime.seed_everything(args.seed + rank)
-    logger = runtime.build_logger(args.json_summary, rank)
+    logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     log_parameters(logger, args, ds_config)
     engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)

@@ -5,6 +5,7 @@
 - `load_deepspeed_config`: the JSON and its batch arithmetic; `initialize_engine`: deepspeed.initialize
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
 - `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
+- `check_writable_directory`, `check_writable_file`: an unwritable output is an error before any work;
 - `InputError` (errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
 
 Functions take explicit values, not an argparse namespace. DeepSpeed is imported lazily: it picks its
@@ -19,7 +20,9 @@ import pickle
 import random
 import signal
 import socket
+import struct
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -166,6 +169,26 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, pa
     return engine, optimizer or engine.optimizer
 
 
+INIT_WEIGHT_SOURCES = ("it should be a checkpoint tag directory (holding mp_rank_00_model_states.pt) or a "
+                       "state-dict file written by torch.save (ours, checkpointing.py export's, or transformers' "
+                       "BertForPreTraining)")
+# torch.load(weights_only=True) meets a file that is no torch file (text, random bytes) with whatever its
+# parser trips on: besides its own errors, an IndexError ("pop from empty list"), KeyError, struct.error...
+UNREADABLE_TORCH_FILE = (OSError, EOFError, RuntimeError, pickle.UnpicklingError, IndexError, KeyError, ValueError,
+                         TypeError, AttributeError, struct.error)
+
+
+def torch_load_reason(err: Exception) -> str:
+    """torch.load's error as one short line, without its advice to load with weights_only=False (which
+    runs arbitrary code) or to allow-list globals."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation of torch.load", 1)[0]
+        text = text.split("Please use `torch.serialization", 1)[0]
+    text = one_line(text, limit=200)
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
     """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
     export of checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
@@ -173,11 +196,12 @@ def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
     file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
-        raise InputError(f"{flag}: cannot read {file} ({one_line(err)})") from err
+    except UNREADABLE_TORCH_FILE as err:
+        raise InputError(f"{flag} {path}: cannot read {file} as weights; {INIT_WEIGHT_SOURCES} "
+                         f"(torch: {torch_load_reason(err)})") from err
     state = state.get("module", state) if isinstance(state, dict) else state
-    if not isinstance(state, dict):
-        raise InputError(f"{flag}: {file} holds no state dict")
+    if not isinstance(state, dict) or not all(torch.is_tensor(value) for value in state.values()):
+        raise InputError(f"{flag} {path}: {file} holds no state dict of tensors; {INIT_WEIGHT_SOURCES}")
     state.pop("cls.predictions.decoder.bias", None)  # Hugging Face stores the tied decoder bias twice
     try:
         model.load_state_dict({key: value.float() for key, value in state.items()})
@@ -188,6 +212,33 @@ def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
                          f"{one_line(err)}") from err
 
 
+WRITE_PROBE_PREFIX = ".write_probe."
+
+
+def check_writable_directory(path, flag: str) -> None:
+    """Create `path` if needed and write a probe file in it, so that a read-only place or a file in the
+    way is one error line before any work, not a failure at the first save hours later."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=WRITE_PROBE_PREFIX):
+            pass
+    except OSError as err:
+        raise InputError(f"{flag} {path} is not writable: {err.strerror or err}") from err
+
+
+def check_writable_file(path, flag: str) -> None:
+    """The file `path` can be written: its directory is writable, and the file itself when it exists."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag} {path} is a directory, not a file")
+    check_writable_directory(path.parent, f"{flag}'s directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"{flag} {path} is not writable")
+
+
 # ============================================================================ logging, stop requests, profiler
 
 def step_format(step) -> str:
@@ -196,13 +247,14 @@ def step_format(step) -> str:
     return str(step)
 
 
-def build_logger(json_summary, rank: int):
-    """Rank 0: JSON stream (--json-summary) + stdout; other ranks: a logger without backends."""
+def build_logger(json_summary, rank: int, append: bool = False):
+    """Rank 0: JSON stream (--json-summary) + stdout; other ranks: a logger without backends.
+    append: add to an existing stream (a resumed run) instead of replacing it."""
     if rank != 0:
         return dllogger.Logger(backends=[])
     Path(json_summary).parent.mkdir(parents=True, exist_ok=True)
     return dllogger.Logger(backends=[
-        dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE, str(json_summary)),
+        dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE, str(json_summary), append=append),
         dllogger.StdOutBackend(dllogger.Verbosity.VERBOSE, step_format=step_format)])
 
 

@@ -327,6 +327,11 @@ BAD_INPUTS = {
                               "sample 3: token id 40000 outside \\[0, 30522\\)"),
     "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}}, "train_batch_size 10 != train_micro_batch_size"),
     "output_dir_not_empty": ("occupied", {}, "is not empty: pass --resume_from_checkpoint"),
+    "output_dir_is_a_file": ("file_in_the_way", {"output_dir": "in_the_way"}, "--output_dir .*in_the_way exists and "
+                             "is not a directory"),
+    "json_summary_under_a_file": ("file_in_the_way", {"json-summary": "in_the_way/log.json"},
+                                  "--json-summary's directory .*in_the_way exists and is not a directory"),
+    "json_summary_is_a_directory": (None, {"json-summary": "."}, "--json-summary .* is a directory, not a file"),
     "unknown_optimizer": (None, {"optimizer": "sgd"}, "unknown --optimizer 'sgd': choose one of lans"),
     "dataset_smaller_than_a_batch": (None, {"ds": {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 128,
                                                    "gradient_accumulation_steps": 1}},
@@ -358,16 +363,42 @@ def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, capsys, case):
     elif prepare == "occupied":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "old_run.txt").write_text("x")
+    elif prepare == "file_in_the_way":
+        (tmp_path / "in_the_way").write_text("a file where a directory should be")
+    for flag in ("output_dir", "json-summary"):  # relative to tmp_path
+        if flag in flags:
+            flags[flag] = tmp_path / flags[flag]
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     config = json.loads(ds_config.read_text())
     config.update(flags.pop("ds", {}))
     ds_config.write_text(json.dumps(config))
-    argv = helpers.driver_argv(data_dir, tmp_path / "out", ds_config, json_summary=tmp_path / "log.json",
+    argv = helpers.driver_argv(data_dir, flags.pop("output_dir", tmp_path / "out"), ds_config,
+                               json_summary=flags.pop("json-summary", tmp_path / "log.json"),
                                **{"input_dir": data_dir, **flags})
     assert rp.cli(argv) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert re.search(message, errors[0]), errors[0]
+
+
+@pytest.mark.parametrize("where", ["output_dir", "json_summary_dir"])
+def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shards, capsys, monkeypatch, where):
+    """A read-only --output_dir (or --json-summary's directory) used to fail only at the first checkpoint save."""
+    from test_checkpointing import read_only
+    steps = []
+    monkeypatch.setattr(rp, "train_step", lambda *args: steps.append(args))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out, log = (locked / "out", tmp_path / "log.json") if where == "output_dir" else (tmp_path / "out", locked / "log.json")
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    with read_only(locked):
+        assert rp.cli(helpers.driver_argv(tiny_shards, out, ds_config, json_summary=log)) == 1
+    flag = "--output_dir" if where == "output_dir" else "--json-summary's directory"
+    path = out if where == "output_dir" else locked
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.fullmatch(rf"error: {re.escape(flag)} {re.escape(str(path))} is not writable: (Read-only file system|"
+                        r"Permission denied)", error), error
+    assert not steps
 
 
 def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
@@ -519,6 +550,66 @@ def test_bad_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, capsys, pr
     assert len(err) == 1 and err[0].startswith("error: --init_checkpoint") and expected in err[0]
 
 
+def unreadable_weight_files(directory) -> list:
+    """Files torch.load(weights_only=True) cannot read: text starting with every letter, digit and some
+    punctuation (its unpickler fails in many ways: IndexError 'pop from empty list', KeyError, struct.error,
+    EOFError...), random bytes, an empty file, a torn zip, a pickled object, non-tensor values, a directory
+    that is not a checkpoint tag."""
+    import pickle
+    import random
+    import string
+    directory.mkdir()
+    files = []
+    for char in string.ascii_letters + string.digits + "(.)]}#-":
+        files.append(directory / f"text_{ord(char)}.txt")
+        files[-1].write_text(f"{char}xyz: the notes of a run\n")
+    rng = random.Random(0)
+    for index in range(20):
+        files.append(directory / f"random_{index}.bin")
+        files[-1].write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
+    for name, content in (("empty.pt", b""), ("torn_zip.pt", b"PK\x03\x04" + b"\x00" * 40),
+                          ("object.pt", pickle.dumps({"weights": object}))):
+        files.append(directory / name)
+        files[-1].write_bytes(content)
+    files.append(directory / "numbers.pt")
+    torch.save({"bert.embeddings.word_embeddings.weight": 1}, files[-1])
+    files.append(directory / "not_a_tag")
+    files[-1].mkdir()
+    return files
+
+
+def test_unreadable_init_checkpoint_says_what_it_should_be(tmp_path):
+    """One line of our own (what the file should be) with torch's reason after it, for any unreadable file;
+    never a traceback, never torch's advice to load with weights_only=False."""
+    import runtime
+    from modeling import BertConfig, BertForPreTraining
+    model = BertForPreTraining(BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG))
+    reasons = set()
+    for path in unreadable_weight_files(tmp_path / "files"):
+        with pytest.raises(rp.InputError) as caught:
+            runtime.load_init_weights(model, path)
+        message = str(caught.value)
+        assert "\n" not in message and len(message) < 700, message
+        assert message.startswith(f"--init_checkpoint {path}: ") and "weights_only" not in message, message
+        assert ("it should be a checkpoint tag directory (holding mp_rank_00_model_states.pt) or a state-dict file "
+                "written by torch.save") in message, message
+        reason = re.search(r"\(torch: (\w+)", message)
+        reasons.add(reason.group(1) if reason else "no tensors")
+    assert {"IndexError", "UnpicklingError", "EOFError", "no tensors"} <= reasons, reasons
+
+
+def test_text_file_as_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("abc: the weights are in the other directory\n")  # 'a': IndexError in torch's unpickler
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=notes)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --init_checkpoint {notes}: cannot read {notes} as weights; it should be a checkpoint tag "
+                   "directory (holding mp_rank_00_model_states.pt) or a state-dict file written by torch.save (ours, "
+                   "checkpointing.py export's, or transformers' BertForPreTraining) (torch: IndexError: pop from "
+                   "empty list)"]
+
+
 def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path, tiny_shards):
     """Interoperability: a transformers.BertForPreTraining (post-LN) state dict starts a run as it is."""
     transformers = pytest.importorskip("transformers")
@@ -601,3 +692,53 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, monkeypa
     assert result.stop_requested == (other_rank[1] == 1)
     updated = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     assert updated == result.finite
+
+
+# ============================================================================ resuming with other flags
+
+def poly_lr(base_lr, t, total_steps, warmup):
+    """PolyWarmUp with degree 1 and no constant part, written out: the LR optimizer step t uses."""
+    p = t / total_steps
+    return base_lr * (p / warmup if p < warmup else max(0.0, (1 - p) / (1 - warmup)))
+
+
+@pytest.mark.parametrize("first_max,saved_at,resume_flags", [(4, 4, {"max_steps": 8}), (8, 4, {"max_steps": 6}),
+                                                             (8, 4, {"max_steps": 8, "learning_rate": 0.02})],
+                         ids=["longer", "shorter", "other_learning_rate"])
+def test_resume_with_another_schedule_follows_the_new_flags(tmp_path, tiny_shards, capsys, first_max, saved_at,
+                                                            resume_flags):
+    """Extending a finished run used to train at LR 0 (the restored schedule ended at the old --max_steps).
+    The resumed steps follow the schedule of the new flags from the step reached on, and the log says so;
+    the resumed run appends to the same dllogger JSON."""
+    common = dict(stage=1, bf16=True, log_freq=1, warmup_proportion=0.25)
+    run(tmp_path, tiny_shards, max_steps=first_max, steps_this_run=saved_at, num_steps_per_checkpoint=saved_at,
+        **common)
+    capsys.readouterr()
+    run(tmp_path, tiny_shards, resume_from_checkpoint=True, **common, **resume_flags)
+    said = capsys.readouterr().out
+    new_max, new_lr = resume_flags["max_steps"], resume_flags.get("learning_rate", 0.01)
+    changed = [f"--max_steps {first_max} -> {new_max}"] if new_max != first_max else []
+    changed += ["--learning_rate 0.01 -> 0.02"] if new_lr != 0.01 else []
+    assert re.search(rf"the LR schedule changed since the checkpoint \({', '.join(changed)}\): from step {saved_at + 1} "
+                     r"on, the LR follows the new flags .*the LR curve bends there", said), said
+    records = helpers.step_records(tmp_path / "dllogger.json")
+    assert [r["step"][1] for r in records] == list(range(1, new_max + 1))  # both runs, in one file
+    logged = {r["step"][1]: r["data"]["learning_rate"] for r in records}
+    expected = {t: poly_lr(0.01, t, first_max, 0.25) for t in range(1, saved_at + 1)}
+    expected.update({t: poly_lr(new_lr, t, new_max, 0.25) for t in range(saved_at + 1, new_max + 1)})
+    assert logged == pytest.approx(expected, rel=1e-6)
+    assert all(logged[t] > 0 for t in range(saved_at + 1, new_max))
+
+
+def test_resume_with_the_same_flags_says_nothing_about_the_schedule(tmp_path, tiny_shards, capsys):
+    common = dict(stage=0, bf16=False, log_freq=1, max_steps=4)
+    run(tmp_path, tiny_shards, steps_this_run=2, num_steps_per_checkpoint=2, **common)
+    run(tmp_path, tiny_shards, resume_from_checkpoint=True, **common)
+    assert "LR schedule changed" not in capsys.readouterr().out
+    assert [r["step"][1] for r in helpers.step_records(tmp_path / "dllogger.json")] == [1, 2, 3, 4]
+
+
+def test_a_fresh_run_replaces_the_dllogger_json(tmp_path, tiny_shards):
+    (tmp_path / "dllogger.json").write_text("DLLL {\"type\": \"LOG\", \"step\": [0, 7], \"data\": {\"step_loss\": 1}}\n")
+    run(tmp_path, tiny_shards, stage=0, bf16=False, log_freq=1, max_steps=2, skip_checkpoint=True)
+    assert [r["step"][1] for r in helpers.step_records(tmp_path / "dllogger.json")] == [1, 2]
