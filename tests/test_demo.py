@@ -3,6 +3,7 @@ committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,13 +62,24 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
                                                                                 "Train/average_loss")] == logged
     assert (results / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
-    # Phase 2 continues from phase 1's checkpoint 40 on the sample's 512/80 shards, in results/phase2.
+    # RESUME=1 with a larger MAX_STEPS extends the run: the LR follows the new schedule (it was 0 past the
+    # old end) and the dllogger JSON keeps the first run's records.
+    resumed = run_demo(tmp_path, RESUME="1", MAX_STEPS="50")
+    change = re.search(r"the LR schedule changed since the checkpoint \(--max_steps 40 -> 50\): from step 41 on, the LR "
+                       r"follows the new flags \(0 -> (\S+) at that step\)", resumed.stdout)
+    assert change and float(change.group(1)) == pytest.approx(0.02 * (1 - 41 / 50) / 0.9, rel=1e-3)  # PolyWarmUp
+    steps = helpers.step_records(results / "dllogger.json")
+    assert [r["step"][1] for r in steps] == [10, 20, 30, 40, 50]
+    assert steps[-1]["data"]["average_loss"] < windows[0]
+    assert (results / "checkpoints" / "latest").read_text().strip() == "50"
+
+    # Phase 2 continues from phase 1's checkpoint 50 on the sample's 512/80 shards, in results/phase2.
     run_demo(tmp_path, PHASE="2", MAX_STEPS="10")
     assert all(read_shard_header(path)[1:] == (512, 80)
                for path in results.rglob("*seq_len_512*/books_wiki_en_corpus/*training*.hdf5"))
     phase2 = results / "phase2"
-    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "50"  # tags continue after phase 1's
-    assert (results / "checkpoints" / "latest").read_text().strip() == "40"  # phase 1 untouched
+    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "60"  # tags continue after phase 1's
+    assert (results / "checkpoints" / "latest").read_text().strip() == "50"  # phase 1 untouched
     steps = helpers.step_records(phase2 / "dllogger.json")
     assert [r["step"][1] for r in steps] == [10]
     assert math.isfinite(steps[0]["data"]["average_loss"]) and steps[0]["data"]["average_loss"] < windows[0]
