@@ -619,6 +619,11 @@ def consolidated_state_dict(output_dir, tag=None) -> dict:
     tag None picks the checkpoint find_resume_tag would (any world size). ZeRO-1/2: the fp32 master
     weights, re-assembled from every rank's optimizer partition. ZeRO-0: the module file's weights
     (in a bf16 run these are the bf16 values, upcast)."""
+    return consolidated_checkpoint(output_dir, tag)[1]
+
+
+def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
+    """(the model config recorded in the manifest, consolidated_state_dict(output_dir, tag))."""
     output_dir = Path(output_dir)
     if tag is None:
         chosen = _choose_tag(output_dir)
@@ -634,14 +639,14 @@ def consolidated_state_dict(output_dir, tag=None) -> dict:
     partition_files = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
                              key=lambda p: int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)))
     if not partition_files:
-        return {name: value.detach().float() if value.is_floating_point() else value.detach()
-                for name, value in module.items()}
+        return manifest["model_config"], {name: value.detach().float() if value.is_floating_point()
+                                          else value.detach() for name, value in module.items()}
     weights = _merge_zero_partitions(partition_files, model_states["param_shapes"])
     for name, source in (model_states.get("shared_params") or {}).items():
         weights[name] = weights[source]  # tied weights are stored once (e.g. the MLM decoder)
     for name in module.keys() - weights.keys():
         weights[name] = module[name].detach()  # buffers
-    return {name: weights[name] for name in module}
+    return manifest["model_config"], {name: weights[name] for name in module}
 
 
 def _merge_zero_partitions(partition_files: list, param_shapes: list) -> dict:

@@ -113,14 +113,25 @@ def seed_everything(seed: int):
 # ============================================================================ DeepSpeed config and engine
 
 def load_deepspeed_config(path, world_size: int, client_optimizer: str | None = None) -> dict:
-    """Read the DeepSpeed JSON; check the batch arithmetic and what a client optimizer (its name, or
-    None when the JSON's optimizer is used) needs. Sets gradient_accumulation_steps."""
+    """Read the DeepSpeed JSON and check it (check_deepspeed_config)."""
+    return check_deepspeed_config(read_deepspeed_config(path), world_size, path, client_optimizer)
+
+
+def read_deepspeed_config(path) -> dict:
     if not path:
         raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu.json)")
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise InputError(f"--deepspeed_config {path}: {err}") from err
+    if not isinstance(config, dict):
+        raise InputError(f"--deepspeed_config {path}: not a JSON object")
+    return config
+
+
+def check_deepspeed_config(config: dict, world_size: int, path, client_optimizer: str | None = None) -> dict:
+    """Check the batch arithmetic and what a client optimizer (its name, or None when the JSON's
+    optimizer or one that ZeRO supports is used) needs; sets gradient_accumulation_steps."""
     micro = config.get("train_micro_batch_size_per_gpu")
     total = config.get("train_batch_size")
     if not isinstance(micro, int) or not isinstance(total, int) or micro <= 0 or total <= 0:

@@ -46,9 +46,9 @@ if __package__ in (None, ""):
 import atomic_write  # noqa: E402
 import storage  # noqa: E402
 from data.shard_format import ShardError, ShardWriter  # noqa: E402
+from data.tokenization import load_tokenizer  # noqa: E402
 from errors import InputError  # noqa: E402
 
-SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
 SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time
 TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the tokenizer's per-token Encoding objects
@@ -59,36 +59,6 @@ def derive_seed(random_seed, shard_name):
     """A 64-bit seed per shard, so that shards built with the same --random_seed differ."""
     digest = hashlib.sha256(f"{random_seed}/{shard_name}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
-
-
-def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
-    """Return (tokenizer, vocab_size, {special token: id}) for a BERT vocab.txt.
-
-    plain_ascii: a faster tokenizer without normalizer, for printable ASCII text that the caller
-    has lower-cased (if do_lower_case): on such text the rest of BERT's normalisation (control
-    characters, whitespace, accents, CJK spacing) is a no-op, so the tokens are the full one's.
-    """
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import WordPiece
-
-    if not Path(vocab_file).is_file():
-        raise InputError(f"vocab file not found: {vocab_file}")
-    try:
-        vocab = WordPiece.read_file(str(vocab_file))
-    except Exception as err:  # tokenizers raises a bare Exception on an unreadable vocab
-        raise InputError(f"cannot read vocab file {vocab_file}: {err}") from err
-    if "[UNK]" not in vocab:
-        raise InputError(f"vocab file {vocab_file} lacks [UNK]")
-    # BERT's BasicTokenizer (clean, CJK split, lower-case + strip accents, punctuation split) + WordPiece.
-    tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
-    if not plain_ascii:
-        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case, strip_accents=do_lower_case)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    missing = [token for token, token_id in special.items() if token_id is None]
-    if missing:
-        raise InputError(f"vocab file {vocab_file} lacks {', '.join(missing)}")
-    return tokenizer, tokenizer.get_vocab_size(), special
 
 
 def read_documents(path):

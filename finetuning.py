@@ -1,0 +1,361 @@
+"""The fine-tuning layer that run_glue.py and run_squad.py share: flags, weights, tokenizer, the DeepSpeed
+training loop and the prediction loop. The task scripts keep their data, heads' losses, metrics and outputs.
+
+Interface, in the order an entry point's main() calls it:
+
+    parser = finetuning.build_parser("...")      # common flags (NVIDIA's names); add the task's own to it
+    args = finetuning.parse_arguments(parser, argv)  # picks the accelerator before DeepSpeed is imported
+    ds_config = finetuning.validate(args)        # common checks + the DeepSpeed settings; InputError
+    config, weights = finetuning.load_pretrained(args)   # --init_checkpoint (any weight source) / --config_file
+    tokenizer = finetuning.load_tokenizer(args, config)  # tokenizers.Tokenizer; vocab size == model's or error
+    session = finetuning.start(args, ds_config, "run_glue")  # device, process group, seed + rank, dllogger
+    model = finetuning.build_model(lambda config: BertForSequenceClassification(config, 2), config, weights,
+                                   session.say)
+    summary = finetuning.train(session, model, features, loss_fn)  # DeepSpeed; resume; SIGTERM -> checkpoint
+    outputs = finetuning.predict(session, model, features, args.eval_batch_size, forward_fn)
+    session.logger.log(step=(), data={...}); session.logger.flush()
+
+- features: dict name -> tensor [N, ...] (all the same N); a batch is the same dict cut to B rows, on the
+  device. loss_fn(model, batch) -> scalar loss; forward_fn(model, batch) -> tensor or tuple of tensors [B, ...].
+- train() mutates `model` (the engine's module) and returns {"e2e_train_time", "training_sequences_per_second",
+  "final_loss", "global_step", "stopped_by_signal"}; "stopped_by_signal": the run saved a checkpoint in
+  <output_dir>/checkpoints on SIGTERM/SIGINT and a rerun with --resume_from_checkpoint continues it exactly.
+  Unless --skip_checkpoint, the final weights are a checkpoint there too (`--init_checkpoint <output_dir>/
+  checkpoints` evaluates it later; `checkpointing.py export` and `hf_interop.py export` read it).
+- predict() returns, on every rank, a tuple of float32 CPU tensors [N, ...] in the order of `features`
+  (each rank computes every world-th batch; the pieces are gathered).
+- Batches: the global batch is train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks, taken
+  in a seeded permutation per epoch; the incomplete last global batch of an epoch is dropped. One rank
+  with 2 accumulation steps sees the same samples per step as two ranks with one.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import checkpointing
+import runtime
+from errors import InputError
+from hf_interop import read_config_file, read_pretrained_weights
+from modeling import BertConfig
+from optimization import get_parameter_groups
+from schedulers import LinearWarmUpScheduler
+
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+# ============================================================================ flags
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    parser = runtime.OneLineErrorParser(description=description)
+    add = parser.add_argument
+    add("--init_checkpoint", default=None, help="Pretrained weights: a run_pretraining.py output or tag directory "
+        "(any ZeRO stage and ranks), a `checkpointing.py export` file, or a Hugging Face BERT directory.")
+    add("--config_file", default=None, help="Model config JSON (needed unless --init_checkpoint records one).")
+    add("--vocab_file", required=True, help="vocab.txt of the pretrained model.")
+    add("--do_lower_case", action="store_true", help="Lower-case the text (uncased vocab).")
+    add("--output_dir", required=True, help="Predictions, results and checkpoints go here.")
+    add("--do_train", action="store_true", help="Fine-tune.")
+    add("--do_eval", action="store_true", help="Evaluate on the dev set.")
+    add("--do_predict", action="store_true", help="Write predictions for the test set.")
+    add("--train_batch_size", type=int, default=None, help="Batch per device and micro-step (default: the "
+        "DeepSpeed JSON's train_micro_batch_size_per_gpu, else 32).")
+    add("--gradient_accumulation_steps", type=int, default=None, help="Micro-steps per optimizer step "
+        "(default: the DeepSpeed JSON's, else 1).")
+    add("--learning_rate", type=float, default=5e-5, help="Peak learning rate (AdamW, linear warm-up and decay).")
+    add("--num_train_epochs", type=float, default=3.0, help="Epochs of training.")
+    add("--max_steps", type=float, default=-1.0, help="Optimizer steps; > 0 overrides --num_train_epochs.")
+    add("--warmup_proportion", type=float, default=0.1, help="Warm-up fraction of the steps.")
+    add("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
+    add("--json-summary", dest="json_summary", default=None, help="dllogger JSON (rank 0); default "
+        "<output_dir>/dllogger.json.")
+    add("--skip_checkpoint", action="store_true", help="Do not save the fine-tuned weights.")
+    add("--disable-progress-bar", dest="disable_progress_bar", action="store_true", help="No tqdm bar.")
+    add("--log_freq", type=int, default=10, help="Log the loss every this many optimizer steps.")
+    add("--resume_from_checkpoint", action="store_true", help="Continue from <output_dir>/checkpoints.")
+    add("--num_steps_per_checkpoint", type=int, default=0, help="Save every N steps (0: only at the end "
+        "and on SIGTERM/SIGINT).")
+    add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
+    add("--use_hpu", action="store_true", help="Run on Habana Gaudi (habana_frameworks), backend hccl.")
+    add("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
+    return parser
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    runtime.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
+    import deepspeed
+    deepspeed.add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.json_summary is None:
+        args.json_summary = str(Path(args.output_dir) / "dllogger.json")
+    return args
+
+
+# ============================================================================ validation
+
+def validate(args) -> dict:
+    """The common checks, before any work; returns the DeepSpeed settings (training) or None."""
+    if not (args.do_train or args.do_eval or args.do_predict):
+        raise InputError("nothing to do: pass --do_train, --do_eval and/or --do_predict")
+    if args.init_checkpoint is None and args.config_file is None:
+        raise InputError("pass --init_checkpoint (pretrained weights) and/or --config_file")
+    if args.init_checkpoint is None and not args.do_train:
+        raise InputError("evaluation without --do_train needs --init_checkpoint (fine-tuned weights)")
+    for name in ("learning_rate", "num_train_epochs", "log_freq"):
+        if not getattr(args, name) > 0:
+            raise InputError(f"--{name} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.warmup_proportion < 1:
+        raise InputError(f"--warmup_proportion must be in [0, 1), got {args.warmup_proportion}")
+    if args.seed < 0 or args.num_steps_per_checkpoint < 0:
+        raise InputError("--seed and --num_steps_per_checkpoint must be 0 or more")
+    output_dir = Path(args.output_dir)
+    checkpoints = output_dir / CHECKPOINT_SUBDIR
+    if args.do_train and not args.resume_from_checkpoint and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise InputError(f"{checkpoints} holds checkpoints: pass --resume_from_checkpoint or use a new --output_dir")
+    return deepspeed_settings(args, int(os.environ.get("WORLD_SIZE", "1"))) if args.do_train else None
+
+
+def deepspeed_settings(args, world_size: int) -> dict:
+    """The DeepSpeed JSON (optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags filled in."""
+    where = args.deepspeed_config or "the DeepSpeed settings"
+    config = runtime.read_deepspeed_config(args.deepspeed_config) if args.deepspeed_config else {}
+    for key, flag, value, default in (("train_micro_batch_size_per_gpu", "--train_batch_size", args.train_batch_size, 32),
+                                      ("gradient_accumulation_steps", "--gradient_accumulation_steps",
+                                       args.gradient_accumulation_steps, 1)):
+        if value is not None and key in config and config[key] != value:
+            raise InputError(f"{flag} {value} contradicts {key} {config[key]} in {where}: set one of them")
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be at least 1, got {value}")
+        config.setdefault(key, value if value is not None else default)
+    config.setdefault("train_batch_size", config["train_micro_batch_size_per_gpu"]
+                      * config["gradient_accumulation_steps"] * world_size)
+    config.setdefault("gradient_clipping", 1.0)  # as NVIDIA's BertAdam (max_grad_norm 1.0)
+    config.setdefault("steps_per_print", 10 ** 9)  # the loop logs
+    # torch.optim.AdamW is an optimizer that ZeRO supports: no zero_allow_untested_optimizer needed.
+    return runtime.check_deepspeed_config(config, world_size, where)
+
+
+def load_pretrained(args) -> tuple:
+    """(BertConfig, weights or None): from --init_checkpoint (checked against --config_file if given),
+    else --config_file with fresh weights."""
+    if args.init_checkpoint is None:
+        return read_config_file(args.config_file), None
+    return read_pretrained_weights(args.init_checkpoint, args.config_file)
+
+
+def load_tokenizer(args, config: BertConfig):
+    """The WordPiece tokenizer of --vocab_file; its size must be the model's vocab_size."""
+    from data.tokenization import load_tokenizer as load
+    tokenizer, vocab_size, _ = load(args.vocab_file, args.do_lower_case)
+    if vocab_size != config.vocab_size:
+        raise InputError(f"--vocab_file {args.vocab_file} has {vocab_size} tokens, but the model has "
+                         f"vocab_size {config.vocab_size}: use the pretrained model's vocab")
+    return tokenizer
+
+
+# ============================================================================ session, model
+
+@dataclass
+class Session:
+    args: argparse.Namespace
+    ds_config: dict | None
+    device: torch.device
+    rank: int
+    world: int
+    logger: object
+    say: object
+
+
+def start(args, ds_config: dict | None, name: str) -> Session:
+    """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters."""
+    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runtime.seed_everything(args.seed + rank)
+    logger = runtime.build_logger(args.json_summary, rank)
+    logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "deepspeed_config": ds_config})
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    say = (lambda text: print(f"[{name}] {text}", flush=True)) if rank == 0 else (lambda text: None)
+    return Session(args, ds_config, device, rank, world, logger, say)
+
+
+def build_model(make_model, config: BertConfig, weights: dict | None, say):
+    """make_model(config) -> a head model of modeling.py, with `weights` loaded: every encoder weight
+    (bert.*) must be there; head weights are used when present (a fine-tuned checkpoint), else the head
+    starts fresh; the pretraining heads (cls.*) are not used."""
+    model = make_model(config)
+    if weights is None:
+        say("no --init_checkpoint: the encoder starts from random weights")
+        return model
+    own = model.state_dict()
+    missing = sorted(key for key in own if key.startswith("bert.") and key not in weights)
+    unknown = sorted(key for key in weights if key.startswith("bert.") and key not in own)
+    wrong = sorted(key for key in own if key in weights and weights[key].shape != own[key].shape)
+    if missing or unknown or wrong:
+        raise InputError(f"--init_checkpoint does not fit the model config (hidden {config.hidden_size}, "
+                         f"{config.num_hidden_layers} layers): missing {missing[:3]}, unexpected {unknown[:3]}, "
+                         f"other shape {wrong[:3]}")
+    loaded = {key: weights[key].float() for key in own if key in weights}
+    model.load_state_dict(loaded, strict=False)
+    fresh = sorted({key.split(".")[0] for key in own if key not in loaded})
+    say(f"loaded {len(loaded)} tensors from --init_checkpoint" + (f"; fresh: {', '.join(fresh)}" if fresh else ""))
+    return model
+
+
+# ============================================================================ training
+
+@dataclass
+class Plan:
+    """Batch geometry and schedule length of a training run."""
+    micro: int
+    gas: int
+    world: int
+    num_examples: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.gas * self.world
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples // self.global_batch
+
+    def total_steps(self, args) -> int:
+        if args.max_steps > 0:
+            return int(args.max_steps)
+        return max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
+
+    def micro_batch_indices(self, step: int, micro: int, rank: int, seed: int) -> torch.Tensor:
+        """Rows of optimizer step `step` (0-based), micro-step `micro`, rank `rank`."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(self.num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+        start = within * self.global_batch + (micro * self.world + rank) * self.micro
+        return order[start:start + self.micro]
+
+
+def train(session: Session, model, features: dict, loss_fn) -> dict:
+    started = time.perf_counter()
+    args, ds_config = session.args, session.ds_config
+    plan = Plan(ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"],
+                session.world, len(next(iter(features.values()))))
+    if plan.steps_per_epoch == 0:
+        raise InputError(f"{plan.num_examples} training examples, fewer than one global batch ({plan.global_batch})")
+    total_steps = plan.total_steps(args)
+    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=args.learning_rate, eps=1e-6)
+    scheduler = LinearWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=total_steps)
+    engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
+    step = resume(session, engine, model.config) if args.resume_from_checkpoint else 0
+    session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
+                + (f", resumed at step {step}" if step else ""))
+    progress = make_progress_bar(args, session.rank, total_steps, step)
+    first_step, losses, stopped = step, [], False
+    with runtime.stop_requests() as stop_event:
+        while step < total_steps and not stopped:
+            loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
+            step += 1
+            losses.append(loss)
+            progress.update(1)
+            if step % args.log_freq == 0 or step == total_steps:
+                session.logger.log(step=(step * plan.global_batch // plan.num_examples, step),
+                                   data={"step_loss": loss, "learning_rate": optimizer.param_groups[0]["lr"]})
+            if stopped or (args.num_steps_per_checkpoint and step % args.num_steps_per_checkpoint == 0):
+                save(session, engine, step)
+    progress.close()
+    train_time = time.perf_counter() - started
+    if not args.skip_checkpoint and not stopped and step > first_step:
+        save(session, engine, step)
+    if stopped:
+        session.say(f"stop requested (SIGTERM/SIGINT): checkpoint {step} saved; --resume_from_checkpoint continues")
+    return {"e2e_train_time": train_time,
+            "training_sequences_per_second": (step - first_step) * plan.global_batch / train_time,
+            "final_loss": losses[-1] if losses else float("nan"), "global_step": step, "stopped_by_signal": stopped}
+
+
+def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, step: int, stop_event) -> tuple:
+    """One optimizer step over GAS micro-batches; returns (loss averaged over micro-batches and ranks,
+    whether any rank asked to stop)."""
+    engine.train()
+    losses = []
+    for micro in range(plan.gas):
+        rows = plan.micro_batch_indices(step, micro, session.rank, session.args.seed)
+        loss = loss_fn(engine, to_device(features, rows, session.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    stats = torch.stack([torch.stack(losses).mean(), torch.tensor(float(stop_event.is_set()), device=session.device)])
+    dist.all_reduce(stats)
+    loss_sum, stop = stats.tolist()
+    return loss_sum / session.world, stop > 0
+
+
+def to_device(features: dict, rows, device) -> dict:
+    return {name: tensor[rows].to(device) for name, tensor in features.items()}
+
+
+def make_progress_bar(args, rank: int, total: int, initial: int):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc="fine-tuning steps", dynamic_ncols=True,
+                disable=args.disable_progress_bar or rank != 0)
+
+
+def checkpoint_dir(args) -> Path:
+    return Path(args.output_dir) / CHECKPOINT_SUBDIR
+
+
+def save(session: Session, engine, step: int) -> None:
+    """Collective. The optimizer, scheduler and RNG states come along, so a resume continues exactly."""
+    client_state = {"global_step": step, "model_config": engine.module.config.to_dict()}
+    checkpointing.save_checkpoint(engine, checkpoint_dir(session.args), str(step), client_state,
+                                  {"rng": checkpointing.capture_rng_state()})
+    session.say(f"saved checkpoint {step} in {checkpoint_dir(session.args)}")
+
+
+def resume(session: Session, engine, config: BertConfig) -> int:
+    directory = checkpoint_dir(session.args)
+    tag = checkpointing.find_resume_tag(directory, session.world, model_config=config.to_dict())
+    if tag is None:
+        session.say(f"no checkpoint in {directory}: starting from step 0")
+        return 0
+    client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank)
+    checkpointing.restore_rng_state(rank_state["rng"])
+    return int(client["global_step"])
+
+
+# ============================================================================ prediction
+
+@torch.no_grad()
+def predict(session: Session, model, features: dict, batch_size: int, forward_fn) -> tuple:
+    """forward_fn over every row, batches spread over the ranks; every rank gets all outputs, in order."""
+    if batch_size < 1:
+        raise InputError(f"the prediction batch size must be at least 1, got {batch_size}")
+    model.to(session.device)
+    was_training = model.training
+    model.eval()
+    num_examples = len(next(iter(features.values())))
+    mine = []
+    starts = range(session.rank * batch_size, num_examples, session.world * batch_size)
+    from tqdm import tqdm
+    for start in tqdm(starts, desc="predicting", disable=session.args.disable_progress_bar or session.rank != 0):
+        rows = torch.arange(start, min(start + batch_size, num_examples))
+        outputs = forward_fn(model, to_device(features, rows, session.device))
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        mine.append((start, tuple(output.float().cpu() for output in outputs)))
+    model.train(was_training)
+    gathered = [None] * session.world
+    dist.all_gather_object(gathered, mine)
+    pieces = sorted((piece for rank_pieces in gathered for piece in rank_pieces), key=lambda piece: piece[0])
+    if not pieces:
+        return ()
+    return tuple(torch.cat([outputs[i] for _, outputs in pieces]) for i in range(len(pieces[0][1])))
+
+
+def run_cli(main, argv) -> int:
+    """An entry point's cli(): one error line and exit status 1 for bad input or a bad checkpoint."""
+    return runtime.run_cli(main, argv, (checkpointing.CheckpointError,))

@@ -1,0 +1,264 @@
+#!/usr/bin/env python
+"""Hugging Face interoperability: the BertConfig <-> transformers config mapping, state-dict key fix-ups,
+reading a Hugging Face BERT directory, and exporting one.
+
+Export (post-LN wiring): a directory that `transformers.BertForPreTraining.from_pretrained` loads with the
+same logits: config.json, model.safetensors, vocab.txt, tokenizer.json, tokenizer_config.json,
+special_tokens_map.json. The embedding and decoder rows padded to a multiple of 8 are dropped, so the
+directory has the vocabulary's size, as Hugging Face's own BERT checkpoints do.
+
+The pre-LN wiring (layer_norm_large_model, the 1.5B/5B recipe) has no transformers class: its directory has
+the same files, but config.json is this repository's BertConfig (no "model_type"), so transformers refuses it
+instead of loading it into the wrong wiring; `python hf_interop.py` and the fine-tuning scripts read it back.
+
+    python hf_interop.py export --checkpoint results/bert_tiny/checkpoints --output_dir results/bert_tiny/hf \\
+        --vocab_file data/vocab.txt [--config_file scripts/bert_tiny_config.json] [--do_lower_case]
+
+--checkpoint: a run_pretraining.py output directory or tag directory (any ZeRO stage and world size),
+the file of `checkpointing.py export`, or a Hugging Face directory.
+transformers is never imported here; safetensors and tokenizers are.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from atomic_write import atomic_path, write_text_atomically
+from errors import InputError, one_line
+from modeling import LAYER_NORM_EPS, BertConfig
+
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+PADDED_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
+PADDED_BIAS = ("cls.predictions.bias", "cls.predictions.decoder.bias")
+# Names of old (TF-ported) checkpoints -> modeling_bert.py names.
+LEGACY_NAME_PARTS = ((".gamma", ".weight"), (".beta", ".bias"))
+
+
+# ============================================================================ config mapping
+
+def to_transformers_config(config: BertConfig, vocab_size: int | None = None) -> dict:
+    """The transformers.BertConfig keyword arguments of a post-LN BertConfig (vocab_size: the rows the
+    weights have; default the padded size, as our modules have)."""
+    if config.layer_norm_large_model:
+        raise InputError("the pre-LN wiring (layer_norm_large_model) has no transformers class")
+    return {"model_type": "bert", "architectures": ["BertForPreTraining"],
+            "vocab_size": vocab_size or config.padded_vocab_size, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+            "intermediate_size": config.intermediate_size, "hidden_act": config.hidden_act,
+            "hidden_dropout_prob": config.hidden_dropout_prob,
+            "attention_probs_dropout_prob": config.attention_probs_dropout_prob,
+            "max_position_embeddings": config.max_position_embeddings, "type_vocab_size": config.type_vocab_size,
+            "initializer_range": config.initializer_range, "layer_norm_eps": LAYER_NORM_EPS,
+            "position_embedding_type": "absolute", "pad_token_id": 0}
+
+
+def from_transformers_config(values: dict, where) -> BertConfig:
+    """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (no model_type)."""
+    if "model_type" not in values:
+        return BertConfig.from_dict(values)
+    if values["model_type"] != "bert":
+        raise InputError(f"{where}: model_type {values['model_type']!r}, not a BERT model")
+    if values.get("position_embedding_type", "absolute") != "absolute":
+        raise InputError(f"{where}: position_embedding_type {values['position_embedding_type']!r} is not supported")
+    if values.get("layer_norm_eps", LAYER_NORM_EPS) != LAYER_NORM_EPS:
+        raise InputError(f"{where}: layer_norm_eps {values['layer_norm_eps']} (this model uses {LAYER_NORM_EPS})")
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+            "type_vocab_size", "initializer_range")
+    return BertConfig.from_dict({key: values[key] for key in keys if key in values})
+
+
+# ============================================================================ key fix-ups
+
+def fix_state_dict(state: dict, config: BertConfig) -> dict:
+    """Hugging Face names and shapes -> ours: legacy gamma/beta names, a bare BertModel's keys without
+    "bert.", the duplicated decoder bias dropped, vocabulary rows padded to config.padded_vocab_size."""
+    fixed = {}
+    for key, value in state.items():
+        for old, new in LEGACY_NAME_PARTS:
+            if key.endswith(old) and "LayerNorm" in key:
+                key = key[: -len(old)] + new
+        if key.startswith(("embeddings.", "encoder.", "pooler.")):
+            key = f"bert.{key}"
+        fixed[key] = value
+    fixed.pop("cls.predictions.decoder.bias", None)  # the same tensor as cls.predictions.bias
+    for key in PADDED_ROWS + PADDED_BIAS:
+        value = fixed.get(key)
+        if value is not None and value.shape[0] == config.vocab_size < config.padded_vocab_size:
+            padding = value.new_zeros((config.padded_vocab_size - value.shape[0],) + tuple(value.shape[1:]))
+            fixed[key] = torch.cat([value, padding])
+    return fixed
+
+
+def unpadded_state_dict(state: dict, config: BertConfig) -> dict:
+    """Ours -> Hugging Face's shapes: vocabulary rows cut to config.vocab_size; the decoder's weight and
+    bias written under both names, as transformers saves them (safetensors keeps no shared tensors)."""
+    out = {key: value.detach().float().contiguous() for key, value in state.items()}
+    for key in PADDED_ROWS + PADDED_BIAS[:1]:
+        if key in out:
+            out[key] = out[key][: config.vocab_size].clone()
+    if "cls.predictions.bias" in out:
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
+    return out
+
+
+# ============================================================================ reading
+
+def is_hf_directory(path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any((path / name).is_file() for name in HF_WEIGHT_FILES)
+
+
+def read_hf_directory(path) -> tuple:
+    """(BertConfig, state dict in our names and shapes) of a Hugging Face BERT directory (or of our own
+    pre-LN export)."""
+    path = Path(path)
+    try:
+        values = json.loads((path / "config.json").read_text())
+        config = from_transformers_config(values, path / "config.json")
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path / 'config.json'}: {one_line(err)}") from err
+    file = next(path / name for name in HF_WEIGHT_FILES if (path / name).is_file())
+    return config, fix_state_dict(read_state_dict_file(file, "--init_checkpoint"), config)
+
+
+# ============================================================================ export
+
+def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case: bool, output_dir) -> bool:
+    """Write the directory (atomically: it appears complete or not at all). Returns True when transformers
+    can load it (post-LN), False for our own pre-LN format."""
+    from safetensors.torch import save_file
+    from data.tokenization import load_tokenizer
+
+    tokenizer, vocab_size, _ = load_tokenizer(vocab_file, do_lower_case)
+    if vocab_size != config.vocab_size:
+        raise InputError(f"--vocab_file {vocab_file} has {vocab_size} tokens, the model config {config.vocab_size}")
+    output_dir = Path(output_dir)
+    if output_dir.exists():
+        raise InputError(f"--output_dir {output_dir} exists; choose a new directory")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(output_dir) as tmp:
+        tmp.mkdir()
+        if config.layer_norm_large_model:
+            model_config = config.to_dict()
+        else:
+            model_config = to_transformers_config(config, vocab_size=config.vocab_size)
+        write_text_atomically(tmp / "config.json", json.dumps(model_config, indent=2) + "\n")
+        save_file(unpadded_state_dict(state, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_tokenizer_files(tokenizer, vocab_file, do_lower_case, config, tmp)
+    return not config.layer_norm_large_model
+
+
+def write_tokenizer_files(tokenizer, vocab_file, do_lower_case: bool, config: BertConfig, directory: Path):
+    from tokenizers import decoders, processors
+
+    shutil.copyfile(vocab_file, directory / "vocab.txt")
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+               "mask_token": "[MASK]"}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": do_lower_case,
+                        "strip_accents": None, "tokenize_chinese_chars": True,
+                        "model_max_length": config.max_position_embeddings, **special}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+# ============================================================================ any weight source
+
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_large_model")
+
+
+def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkpoint") -> tuple:
+    """(BertConfig, weights in our names and shapes) from a run_pretraining.py output or tag directory (any
+    ZeRO stage and world size, consolidated), a Hugging Face directory, or a state-dict file (the export of
+    checkpointing.py; it records no config, so config_file is needed). With config_file, the model is that
+    config (its dropout may differ) and the source must have its architecture."""
+    import checkpointing
+
+    source = Path(source)
+    recorded, weights = None, None
+    if not source.exists():
+        raise InputError(f"{flag} {source} does not exist")
+    if is_hf_directory(source):
+        recorded, weights = read_hf_directory(source)
+    elif source.is_dir():
+        output_dir, tag = (source.parent, source.name) if (source / checkpointing.MANIFEST_NAME).exists() \
+            else (source, None)
+        try:
+            model_config, weights = checkpointing.consolidated_checkpoint(output_dir, tag)
+        except checkpointing.CheckpointError as err:
+            raise InputError(f"{flag} {source}: {err}") from err
+        recorded = BertConfig.from_dict(model_config)
+    else:
+        weights = read_state_dict_file(source, flag)
+    config = recorded if config_file is None else read_config_file(config_file)
+    if config is None:
+        raise InputError(f"{flag} {source} records no model config: pass --config_file")
+    if recorded is not None:
+        differences = [f"{key} {getattr(recorded, key)} there, {getattr(config, key)} in --config_file"
+                       for key in ARCHITECTURE_KEYS if getattr(recorded, key) != getattr(config, key)]
+        if differences:
+            raise InputError(f"{flag} {source} is for another model config: {'; '.join(differences)}")
+    return config, fix_state_dict(weights, config)
+
+
+def read_config_file(path) -> BertConfig:
+    try:
+        return BertConfig.from_json_file(path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"--config_file {path}: {one_line(err)}") from err
+
+
+def read_state_dict_file(path: Path, flag: str) -> dict:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors raises its own SafetensorError, torch several kinds
+        raise InputError(f"{flag}: cannot read {path} ({one_line(err)})") from err
+    state = state.get("module", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(torch.is_tensor(value) for value in state.values()):
+        raise InputError(f"{flag}: {path} holds no state dict")
+    return state
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Export BERT weights as a Hugging Face directory.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="checkpoint -> config.json, model.safetensors, tokenizer files")
+    export.add_argument("--checkpoint", required=True, help="run_pretraining.py output or tag directory, "
+                        "a checkpointing.py export file, or a Hugging Face directory")
+    export.add_argument("--config_file", default=None, help="model config JSON (needed unless the checkpoint "
+                        "records it: DeepSpeed checkpoints and Hugging Face directories do)")
+    export.add_argument("--vocab_file", default="data/vocab.txt", help="vocab.txt of the model")
+    export.add_argument("--do_lower_case", action="store_true", help="the vocab is uncased")
+    export.add_argument("--output_dir", required=True, help="new directory to write")
+    args = parser.parse_args(argv)
+    try:
+        config, weights = read_pretrained_weights(args.checkpoint, args.config_file, flag="--checkpoint")
+        loadable = export_directory(weights, config, args.vocab_file, args.do_lower_case, args.output_dir)
+    except (InputError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if loadable:
+        print(f"wrote {args.output_dir}: transformers.BertForPreTraining.from_pretrained loads it")
+    else:
+        print(f"wrote {args.output_dir}: pre-LN wiring, which transformers has no class for; "
+              "run_glue.py / run_squad.py (--init_checkpoint) read it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

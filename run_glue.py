@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Fine-tune and evaluate BERT on a GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI).
+
+Flags follow NVIDIA's run_glue.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
+fine-tuning flags of finetuning.py). One process per device, or one process:
+
+    python run_glue.py --task_name sst-2 --data_dir glue/SST-2 --init_checkpoint results/bert_tiny/checkpoints \\
+        --vocab_file data/vocab.txt --do_lower_case --output_dir results/glue_sst2 --do_train --do_eval
+    deepspeed --num_gpus 2 --no_local_rank run_glue.py ... --deepspeed --deepspeed_config ds.json
+
+Outputs in --output_dir: eval_results.json ({evaluation set: {metric: value}}), predictions_<set>.json
+({example id: predicted label}, for --do_eval), test_results_<set>.tsv (GLUE submission format, for
+--do_predict), checkpoints/ (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import finetuning
+import glue_metrics
+from data.glue import TASKS, convert_examples_to_features, read_examples
+from errors import InputError
+from modeling import BertForSequenceClassification
+
+
+def build_parser():
+    parser = finetuning.build_parser("Fine-tune BERT on a GLUE task (NVIDIA run_glue.py flags) with DeepSpeed.")
+    parser.add_argument("--task_name", required=True, type=str.lower, choices=sorted(TASKS), help="GLUE task.")
+    parser.add_argument("--data_dir", required=True, help="The task's directory of TSV files.")
+    parser.add_argument("--max_seq_length", type=int, default=128, help="Tokens per example after WordPiece "
+                        "(longer pairs are cut, shorter ones padded).")
+    parser.add_argument("--eval_batch_size", type=int, default=8, help="Batch per device for evaluation.")
+    return parser
+
+
+def read_task_data(args, task, tokenizer, config) -> dict:
+    """{split name: (examples, features)} of every split this run needs: read before any work."""
+    if not 3 <= args.max_seq_length <= config.max_position_embeddings:
+        raise InputError(f"--max_seq_length must be in [3, {config.max_position_embeddings}] (the model's "
+                         f"max_position_embeddings), got {args.max_seq_length}")
+    if args.eval_batch_size < 1:
+        raise InputError(f"--eval_batch_size must be at least 1, got {args.eval_batch_size}")
+    if not Path(args.data_dir).is_dir():
+        raise InputError(f"--data_dir {args.data_dir} is not a directory")
+    names = (["train"] if args.do_train else []) + (list(task.dev) if args.do_eval else []) \
+        + ([f"test_{name}" for name in task.test] if args.do_predict else [])
+    data = {}
+    for name in names:
+        examples = read_examples(task, args.data_dir, name)
+        data[name] = examples, convert_examples_to_features(examples, task, tokenizer, args.max_seq_length)
+    return data
+
+
+def logits_of(model, batch):
+    return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])[0]
+
+
+def loss_function(task):
+    def loss(model, batch):
+        logits = logits_of(model, batch).float()
+        if task.labels is None:
+            return F.mse_loss(logits.squeeze(-1), batch["labels"])
+        return F.cross_entropy(logits, batch["labels"])
+    return loss
+
+
+def predictions_from(task, logits: torch.Tensor):
+    return logits.squeeze(-1).numpy() if task.labels is None else logits.argmax(-1).numpy()
+
+
+def label_text(task, prediction) -> str:
+    return f"{float(prediction):.3f}" if task.labels is None else task.labels[int(prediction)]
+
+
+def evaluate(session, model, task, data) -> dict:
+    """Metrics and predictions of every evaluation/test set in `data`; rank 0 writes the files."""
+    args, output_dir, results, timing = session.args, Path(session.args.output_dir), {}, {"time": 0.0, "rows": 0}
+    for name, (examples, features) in data.items():
+        if name == "train":
+            continue
+        started = time.perf_counter()
+        (logits,) = finetuning.predict(session, model, features, args.eval_batch_size, logits_of)
+        timing["time"] += time.perf_counter() - started
+        timing["rows"] += len(examples)
+        predictions = predictions_from(task, logits)
+        if session.rank != 0:
+            continue
+        if name.startswith("test_"):
+            rows = [f"{index}\t{label_text(task, p)}" for index, p in enumerate(predictions)]
+            (output_dir / f"test_results_{name[5:]}.tsv").write_text("index\tprediction\n" + "\n".join(rows) + "\n")
+            continue
+        results[name] = glue_metrics.compute(task.metrics, predictions, features["labels"].numpy())
+        by_id = {example.guid: label_text(task, p) for example, p in zip(examples, predictions)}
+        (output_dir / f"predictions_{name}.json").write_text(json.dumps(by_id, indent=1) + "\n")
+    if results:
+        (output_dir / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+        for name, metrics in results.items():
+            session.say(f"{name}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
+    summary = {f"{name}:{key}" if len(results) > 1 else key: value
+               for name, metrics in results.items() for key, value in metrics.items()}
+    if timing["rows"]:
+        summary.update(e2e_inference_time=timing["time"], inference_sequences_per_second=timing["rows"] / timing["time"])
+    return summary
+
+
+def main(argv=None) -> dict:
+    args = finetuning.parse_arguments(build_parser(), argv)
+    ds_config = finetuning.validate(args)
+    task = TASKS[args.task_name]
+    config, weights = finetuning.load_pretrained(args)
+    tokenizer = finetuning.load_tokenizer(args, config)
+    data = read_task_data(args, task, tokenizer, config)
+    session = finetuning.start(args, ds_config, "run_glue")
+    model = finetuning.build_model(lambda c: BertForSequenceClassification(c, task.num_labels), config, weights,
+                                   session.say)
+    summary = {}
+    if args.do_train:
+        summary.update(finetuning.train(session, model, data["train"][1], loss_function(task)))
+    if (args.do_eval or args.do_predict) and not summary.get("stopped_by_signal"):
+        summary.update(evaluate(session, model, task, data))
+    session.logger.log(step=(), data=summary)
+    session.logger.flush()
+    return summary
+
+
+def cli(argv=None) -> int:
+    return finetuning.run_cli(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
