@@ -8,8 +8,9 @@ special_tokens_map.json. The embedding and decoder rows padded to a multiple of 
 directory has the vocabulary's size, as Hugging Face's own BERT checkpoints do.
 
 The pre-LN wiring (layer_norm_large_model, the 1.5B/5B recipe) has no transformers class: its directory has
-the same files, but config.json is this repository's BertConfig (no "model_type"), so transformers refuses it
-instead of loading it into the wrong wiring; `python hf_interop.py` and the fine-tuning scripts read it back.
+the same files, but config.json is this repository's BertConfig with model_type "bert_pre_ln", which
+transformers' Auto classes refuse (an explicit transformers.BertForPreTraining would load it with a
+model-type warning, into the wrong wiring: do not); the fine-tuning scripts read it back.
 
     python hf_interop.py export --checkpoint results/bert_tiny/checkpoints --output_dir results/bert_tiny/hf \\
         --vocab_file data/vocab.txt [--config_file scripts/bert_tiny_config.json] [--do_lower_case]
@@ -32,6 +33,7 @@ from errors import InputError, one_line
 from modeling import LAYER_NORM_EPS, BertConfig
 
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+PRE_LN_MODEL_TYPE = "bert_pre_ln"  # our own format: no transformers class has this wiring
 PADDED_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
 PADDED_BIAS = ("cls.predictions.bias", "cls.predictions.decoder.bias")
 # Names of old (TF-ported) checkpoints -> modeling_bert.py names.
@@ -41,12 +43,11 @@ LEGACY_NAME_PARTS = ((".gamma", ".weight"), (".beta", ".bias"))
 # ============================================================================ config mapping
 
 def to_transformers_config(config: BertConfig, vocab_size: int | None = None) -> dict:
-    """The transformers.BertConfig keyword arguments of a post-LN BertConfig (vocab_size: the rows the
+    """The transformers.BertConfig keyword arguments (and config.json keys) of a post-LN BertConfig (vocab_size: the rows the
     weights have; default the padded size, as our modules have)."""
     if config.layer_norm_large_model:
         raise InputError("the pre-LN wiring (layer_norm_large_model) has no transformers class")
-    return {"model_type": "bert", "architectures": ["BertForPreTraining"],
-            "vocab_size": vocab_size or config.padded_vocab_size, "hidden_size": config.hidden_size,
+    return {"vocab_size": vocab_size or config.padded_vocab_size, "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
             "intermediate_size": config.intermediate_size, "hidden_act": config.hidden_act,
             "hidden_dropout_prob": config.hidden_dropout_prob,
@@ -57,9 +58,9 @@ def to_transformers_config(config: BertConfig, vocab_size: int | None = None) ->
 
 
 def from_transformers_config(values: dict, where) -> BertConfig:
-    """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (no model_type)."""
-    if "model_type" not in values:
-        return BertConfig.from_dict(values)
+    """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (PRE_LN_MODEL_TYPE)."""
+    if values.get("model_type") == PRE_LN_MODEL_TYPE:
+        return BertConfig.from_dict({key: value for key, value in values.items() if key != "model_type"})
     if values["model_type"] != "bert":
         raise InputError(f"{where}: model_type {values['model_type']!r}, not a BERT model")
     if values.get("position_embedding_type", "absolute") != "absolute":
@@ -76,7 +77,8 @@ def from_transformers_config(values: dict, where) -> BertConfig:
 
 def fix_state_dict(state: dict, config: BertConfig) -> dict:
     """Hugging Face names and shapes -> ours: legacy gamma/beta names, a bare BertModel's keys without
-    "bert.", the duplicated decoder bias dropped, vocabulary rows padded to config.padded_vocab_size."""
+    "bert.", the duplicated decoder bias dropped, the tied decoder weight restored, vocabulary rows padded
+    to config.padded_vocab_size."""
     fixed = {}
     for key, value in state.items():
         for old, new in LEGACY_NAME_PARTS:
@@ -86,6 +88,9 @@ def fix_state_dict(state: dict, config: BertConfig) -> dict:
             key = f"bert.{key}"
         fixed[key] = value
     fixed.pop("cls.predictions.decoder.bias", None)  # the same tensor as cls.predictions.bias
+    if "cls.predictions.bias" in fixed and "cls.predictions.decoder.weight" not in fixed:
+        # transformers' save_pretrained stores the tied decoder weight once, as the word embedding
+        fixed["cls.predictions.decoder.weight"] = fixed["bert.embeddings.word_embeddings.weight"]
     for key in PADDED_ROWS + PADDED_BIAS:
         value = fixed.get(key)
         if value is not None and value.shape[0] == config.vocab_size < config.padded_vocab_size:
@@ -144,9 +149,10 @@ def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case:
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
         if config.layer_norm_large_model:
-            model_config = config.to_dict()
+            model_config = {"model_type": PRE_LN_MODEL_TYPE, **config.to_dict()}
         else:
-            model_config = to_transformers_config(config, vocab_size=config.vocab_size)
+            model_config = {"model_type": "bert", "architectures": ["BertForPreTraining"],
+                            **to_transformers_config(config, vocab_size=config.vocab_size)}
         write_text_atomically(tmp / "config.json", json.dumps(model_config, indent=2) + "\n")
         save_file(unpadded_state_dict(state, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_tokenizer_files(tokenizer, vocab_file, do_lower_case, config, tmp)

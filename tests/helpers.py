@@ -92,6 +92,11 @@ def driver_argv(data_dir, output_dir, ds_config, json_summary=None, **flags):
                "num_steps_per_checkpoint": 1000, "use_lr_scheduler": True, "disable_progress_bar": True,
                "no_cuda": True, "deepspeed": True, "deepspeed_config": ds_config}
     options.update(flags)
+    return flags_to_argv(options)
+
+
+def flags_to_argv(options: dict) -> list:
+    """{flag name: value} -> ["--name", "value", ...]; True = a bare flag, False/None = left out."""
     argv = []
     for name, value in options.items():
         if value is False or value is None:

@@ -21,6 +21,7 @@ import torch
 import helpers
 import run_pretraining as rp
 import runtime
+from hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
@@ -617,11 +618,7 @@ def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path, tiny_shards
     config_file = tmp_path / "post_ln.json"
     config_file.write_text(json.dumps(dict(tiny, layer_norm_large_model=False)))
     config = rp.BertConfig.from_json_file(config_file)
-    hf_model = transformers.BertForPreTraining(transformers.BertConfig(
-        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
-        layer_norm_eps=1e-12))
+    hf_model = transformers.BertForPreTraining(transformers.BertConfig(**to_transformers_config(config)))
     hf_weights = hf_model.state_dict()
     torch.save(hf_weights, tmp_path / "hf.pt")
     args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "out", tmp_path / "ds.json",

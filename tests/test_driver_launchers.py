@@ -212,7 +212,9 @@ def ignored_flags() -> set:
 
 def test_launchers_pass_no_flag_that_does_nothing():
     assert {"--do_train", "--bert_model", "--max_seq_length"} <= ignored_flags()
-    scripts = sorted((helpers.REPO_ROOT / "scripts").glob("*.sh"))
+    # The fine-tuning launchers pass flags of their own scripts (run_glue.py's --do_train is real).
+    scripts = [script for script in sorted((helpers.REPO_ROOT / "scripts").glob("*.sh"))
+               if not re.search(r"run_(glue|squad)\.py", script.read_text())]
     passed = {f"{script.name}: {flag}" for script in scripts for flag in ignored_flags()
               if re.search(rf"{re.escape(flag)}(?![\w-])", script.read_text())}
     assert not passed, passed

@@ -85,14 +85,8 @@ def hidden_dropout_names(config):
 
 def transformers_model(transformers, config):
     """transformers.BertForPreTraining with the shape and dropout of `config` (randomly initialised)."""
-    hf_config = transformers.BertConfig(
-        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size, hidden_act="gelu", layer_norm_eps=1e-12,
-        max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
-        hidden_dropout_prob=config.hidden_dropout_prob,
-        attention_probs_dropout_prob=config.attention_probs_dropout_prob)
-    return transformers.BertForPreTraining(hf_config)
+    from hf_interop import to_transformers_config
+    return transformers.BertForPreTraining(transformers.BertConfig(**to_transformers_config(config)))
 
 
 def test_post_ln_matches_transformers_logits_and_keys():

@@ -1,0 +1,204 @@
+"""run_glue.py end to end with the real DeepSpeed: one-line errors, the learning check from the pretrained
+tiny checkpoint (and its negative control), SIGTERM -> checkpoint -> exact resume, 2 ranks through the real
+`deepspeed` launcher equal to 1 rank, and the weight sources of finetuning.py."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+import checkpointing
+import helpers
+import hf_interop
+import run_glue
+from finetune_helpers import REPO_ROOT, write_sst2_rule_task
+from modeling import BertConfig
+
+VOCAB = REPO_ROOT / "data" / "vocab.txt"
+TINY_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
+
+
+@pytest.fixture(autouse=True)
+def cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+def glue_argv(data_dir, output_dir, **flags):
+    options = {"task_name": "sst-2", "data_dir": data_dir, "vocab_file": VOCAB, "do_lower_case": True,
+               "output_dir": output_dir, "do_train": True, "do_eval": True, "max_seq_length": 48,
+               "train_batch_size": 16, "learning_rate": 5e-4, "eval_batch_size": 64, "no_cuda": True,
+               "disable-progress-bar": True, "log_freq": 5}
+    options.update(flags)
+    return helpers.flags_to_argv(options)
+
+
+def dropout_free_config(path):
+    """The tiny config without dropout, so that runs on different rank counts draw no different masks."""
+    values = json.loads(TINY_CONFIG.read_text())
+    values.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    path.write_text(json.dumps(values))
+    return path
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# ============================================================================ bad input: one line, exit 1
+
+def test_a_vocab_of_another_size_is_one_error(tmp_path, capsys):
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    short_vocab = tmp_path / "vocab.txt"
+    short_vocab.write_text("\n".join(VOCAB.read_text().splitlines()[:2000]) + "\n")
+    argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, vocab_file=short_vocab)
+    assert run_glue.cli(argv) == 1
+    assert one_error_line(capsys) == (f"error: --vocab_file {short_vocab} has 2000 tokens, but the model has "
+                                      "vocab_size 30522: use the pretrained model's vocab")
+
+
+def test_a_malformed_tsv_is_one_error_naming_file_and_line(tmp_path, capsys):
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    lines = (data / "dev.tsv").read_text().splitlines()
+    lines[5] = lines[5].split("\t")[0]  # the label column is gone
+    (data / "dev.tsv").write_text("\n".join(lines) + "\n")
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG)) == 1
+    assert one_error_line(capsys) == f"error: {data / 'dev.tsv'}:6: 1 tab-separated column(s), sst-2 needs at least 2"
+
+
+def test_a_label_outside_the_set_is_one_error(tmp_path, capsys):
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    (data / "train.tsv").write_text((data / "train.tsv").read_text().replace("\t1\n", "\tpositive\n", 1))
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG)) == 1
+    assert "label 'positive' is not one of sst-2's labels 0, 1" in one_error_line(capsys)
+
+
+def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    other = BertConfig.from_dict(dict(json.loads(TINY_CONFIG.read_text()), hidden_size=64))
+    from modeling import BertForPreTraining
+    torch.save(BertForPreTraining(other).state_dict(), tmp_path / "other.pt")
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
+                                  init_checkpoint=tmp_path / "other.pt")) == 1
+    assert one_error_line(capsys).startswith("error: --init_checkpoint does not fit the model config (hidden 128")
+    hf_interop.export_directory(BertForPreTraining(other).state_dict(), other, VOCAB, True, tmp_path / "hf")
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, init_checkpoint=tmp_path / "hf")) == 1
+    assert one_error_line(capsys).endswith("is for another model config: hidden_size 64 there, 128 in --config_file")
+
+
+# ============================================================================ learning check
+
+def fine_tune(tmp_path, checkpoint, shuffle_train_labels=False):
+    data = write_sst2_rule_task(tmp_path / "data", 1200, 400, shuffle_train_labels=shuffle_train_labels)
+    summary = run_glue.main(glue_argv(data, tmp_path / "out", init_checkpoint=checkpoint, num_train_epochs=2,
+                                      train_batch_size=32, skip_checkpoint=True))
+    return summary, json.loads((tmp_path / "out" / "eval_results.json").read_text())["sst-2"]["acc"]
+
+
+@pytest.mark.slow
+def test_fine_tuning_the_pretrained_checkpoint_learns_the_rule(tmp_path, pretrained_tiny_checkpoint):
+    """Label 1 when a real sentence has the word "her": the classifier, its loss, the pretrained weights
+    (ZeRO-1 checkpoint, consolidated) and the evaluation are wired right only if dev accuracy is high."""
+    summary, accuracy = fine_tune(tmp_path, pretrained_tiny_checkpoint)
+    assert accuracy >= 0.95, summary
+    assert {"e2e_train_time", "training_sequences_per_second", "final_loss", "acc", "e2e_inference_time",
+            "inference_sequences_per_second"} <= summary.keys()
+    predictions = json.loads((tmp_path / "out" / "predictions_sst-2.json").read_text())
+    assert len(predictions) == 400 and set(predictions.values()) == {"0", "1"}
+    final = [r for r in helpers.read_dllogger(tmp_path / "out" / "dllogger.json") if r["step"] == []][-1]["data"]
+    assert final["acc"] == accuracy
+
+
+@pytest.mark.slow
+def test_with_shuffled_labels_the_same_run_stays_at_chance(tmp_path, pretrained_tiny_checkpoint):
+    """Negative control: the same sentences with their training labels permuted teach nothing."""
+    _, accuracy = fine_tune(tmp_path, pretrained_tiny_checkpoint, shuffle_train_labels=True)
+    assert 0.35 <= accuracy <= 0.65
+
+
+# ============================================================================ stop and resume
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    data = write_sst2_rule_task(tmp_path / "data", 96, 32)
+    common = dict(config_file=TINY_CONFIG, max_steps=6, do_eval=False, max_seq_length=32)
+    run_glue.main(glue_argv(data, tmp_path / "straight", **common))
+
+    real_loss_function = run_glue.loss_function
+
+    def loss_function_with_sigterm(task):
+        loss, calls = real_loss_function(task), []
+
+        def loss_then_sigterm(model, batch):
+            calls.append(1)
+            if len(calls) == 3:  # during step 3: the run finishes the step, saves and stops
+                signal.raise_signal(signal.SIGTERM)
+            return loss(model, batch)
+        return loss_then_sigterm
+
+    monkeypatch.setattr(run_glue, "loss_function", loss_function_with_sigterm)
+    stopped = run_glue.main(glue_argv(data, tmp_path / "resumed", **common))
+    assert stopped["stopped_by_signal"] and stopped["global_step"] == 3
+    assert checkpointing.find_resume_tag(tmp_path / "resumed" / "checkpoints", 1) == "3"
+    monkeypatch.setattr(run_glue, "loss_function", real_loss_function)
+    resumed = run_glue.main(glue_argv(data, tmp_path / "resumed", resume_from_checkpoint=True, **common))
+    assert resumed["global_step"] == 6 and not resumed["stopped_by_signal"]
+    straight = checkpointing.consolidated_state_dict(tmp_path / "straight" / "checkpoints")
+    after_resume = checkpointing.consolidated_state_dict(tmp_path / "resumed" / "checkpoints")
+    for key, value in straight.items():
+        torch.testing.assert_close(after_resume[key], value, rtol=0, atol=0, msg=key)
+
+
+# ============================================================================ 2 ranks == 1 rank
+
+@pytest.mark.slow
+def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoint):
+    """fp32, ZeRO-1, no dropout: 2 ranks x micro 8 through the real launcher against 1 rank x micro 8 x 2
+    accumulation steps (the same 16 samples per step): same losses, weights and dev predictions."""
+    data = write_sst2_rule_task(tmp_path / "data", 160, 64)
+    config = dropout_free_config(tmp_path / "config.json")
+    results = {}
+    for ranks in (1, 2):
+        ds_config = helpers.write_ds_config(tmp_path / f"ds{ranks}.json", stage=1, bf16=False, micro=8,
+                                            gas=2 // ranks, world=ranks)
+        out = tmp_path / f"out{ranks}"
+        argv = glue_argv(data, out, init_checkpoint=pretrained_tiny_checkpoint, config_file=config, max_steps=8,
+                         train_batch_size=None, deepspeed=True, deepspeed_config=ds_config, log_freq=1)
+        result = helpers.launch(argv, num_ranks=ranks, script="run_glue.py", timeout=400)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = helpers.read_dllogger(out / "dllogger.json")
+        results[ranks] = {"losses": [r["data"]["step_loss"] for r in records if "step_loss" in r["data"]],
+                          "weights": checkpointing.consolidated_state_dict(out / "checkpoints"),
+                          "predictions": json.loads((out / "predictions_sst-2.json").read_text())}
+    assert len(results[1]["losses"]) == 8
+    assert results[2]["losses"] == pytest.approx(results[1]["losses"], rel=1e-4, abs=1e-5)
+    for key, value in results[1]["weights"].items():
+        torch.testing.assert_close(results[2]["weights"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert results[2]["predictions"] == results[1]["predictions"]
+
+
+# ============================================================================ weight sources
+
+@pytest.mark.slow
+def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_checkpoint):
+    """The ZeRO-1 checkpoint directory, its tag directory, `checkpointing.py export`'s file (+ --config_file)
+    and our pre-LN `hf_interop.py export` directory all give the same weights."""
+    from finetuning import load_pretrained
+    from types import SimpleNamespace
+
+    assert checkpointing.export_main(["export", "--output_dir", str(pretrained_tiny_checkpoint),
+                                      "--out", str(tmp_path / "model.pt")]) == 0
+    assert hf_interop.main(["export", "--checkpoint", str(pretrained_tiny_checkpoint), "--vocab_file", str(VOCAB),
+                            "--do_lower_case", "--output_dir", str(tmp_path / "hf")]) == 0
+    sources = {"run directory": (pretrained_tiny_checkpoint, None), "tag": (pretrained_tiny_checkpoint / "40", None),
+               "export file": (tmp_path / "model.pt", TINY_CONFIG), "hf_interop": (tmp_path / "hf", None)}
+    loaded = {name: load_pretrained(SimpleNamespace(init_checkpoint=path, config_file=config))
+              for name, (path, config) in sources.items()}
+    reference_config, reference = loaded.pop("run directory")
+    assert reference_config == BertConfig.from_json_file(TINY_CONFIG)
+    for name, (config, weights) in loaded.items():
+        assert config == reference_config, name
+        for key, value in reference.items():  # hf_interop exports no vocabulary padding rows
+            rows = config.vocab_size if key in hf_interop.PADDED_ROWS + hf_interop.PADDED_BIAS else None
+            torch.testing.assert_close(weights[key][:rows], value[:rows], rtol=0, atol=0, msg=f"{name}: {key}")
