@@ -139,7 +139,7 @@ def test_a_label_outside_the_task_set_names_the_file_and_line(tmp_path):
     rows = layout_rows("rte")
     rows["dev.tsv"][2][3] = "contradiction"  # an MNLI label in RTE
     directory = write_task(tmp_path, "rte", rows)
-    with pytest.raises(InputError, match=rf"dev.tsv:3: label 'contradiction' is not one of rte's labels "
+    with pytest.raises(InputError, match=r"dev.tsv:3: label 'contradiction' is not one of rte's labels "
                                          r"entailment, not_entailment$"):
         read_examples(TASKS["rte"], directory, "rte")
     rows = layout_rows("sts-b")
