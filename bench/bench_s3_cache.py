@@ -1,0 +1,78 @@
+"""Throughput of storage.ShardCache: shards downloaded from S3 and verified (size + ETag) into the cache.
+
+    python bench/bench_s3_cache.py [--shards 4] [--shard_mb 128] [--repeat 2]
+
+Starts moto_server (the S3-compatible test server from requirements-dev.txt) on 127.0.0.1, uploads
+--shards objects of --shard_mb MiB (random bytes: the cache does not look inside), then times, --repeat
+times each, alternating: the cache filling itself shard by shard through local_path() (download with
+ranged GETs of 64 MiB, multipart ETag check, rename), and the same bytes read by a plain boto3
+get_object loop (no file, no check) as a reference. Figures are against a server on this machine, so
+they measure the client side (and moto), not a network.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import s3_helpers  # noqa: E402
+import storage  # noqa: E402
+
+
+def fill(store, cache_dir: Path) -> tuple[float, int]:
+    cache = storage.ShardCache(store, cache_dir, capacity=1 << 40)
+    started = time.perf_counter()
+    for url in cache.list_files():
+        cache.local_path(url)
+    elapsed = time.perf_counter() - started
+    cache.close()
+    return elapsed, cache.downloaded_bytes
+
+
+def plain_gets(store) -> tuple[float, int]:
+    started, total = time.perf_counter(), 0
+    for remote in store.list_objects():
+        body = store.client.get_object(Bucket=store.bucket, Key=store.key(remote.name))["Body"]
+        while chunk := body.read(8 << 20):
+            total += len(chunk)
+    return time.perf_counter() - started, total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--shard_mb", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-s3-") as work:
+        work = Path(work)
+        server = s3_helpers.MotoServer(work / "moto.log")
+        try:
+            os.environ.update(s3_helpers.s3_env(server, work))
+            s3_helpers.make_bucket(server, "bench-bucket")
+            store = storage.S3Store("s3://bench-bucket/shards")
+            source = work / "source.bin"
+            for index in range(args.shards):
+                source.write_bytes(os.urandom(args.shard_mb << 20))
+                store.upload(source, f"shard_{index}_training.hdf5")
+            source.unlink()
+            results = {"ShardCache fill": [], "plain get_object": []}
+            for round_ in range(args.repeat):  # alternating, so that machine noise hits both
+                results["ShardCache fill"].append(fill(store, work / f"cache{round_}"))
+                results["plain get_object"].append(plain_gets(store))
+        finally:
+            server.stop()
+    print(f"{args.shards} objects x {args.shard_mb} MiB, moto_server on 127.0.0.1, {args.repeat} rounds")
+    for name, runs in results.items():
+        rates = [total / elapsed / 2 ** 20 for elapsed, total in runs]
+        print(f"{name:22s} {' '.join(f'{r:7.1f}' for r in rates)} MiB/s  (best {max(rates):.1f})")
+
+
+if __name__ == "__main__":
+    main()
