@@ -579,6 +579,22 @@ class CheckpointUploader:
         self.store, self.local_dir, self.keep_last_n = store, Path(local_dir), keep_last_n
         self._thread, self._error = None, None
 
+    def prepare(self, device, resume: bool, tag: str | None = None) -> None:
+        """Collective, before resume: rank 0 empties the staging directory and, when resuming, fetches
+        into it the checkpoint that resume would use (or `tag`)."""
+        error = None
+        if _rank_and_world()[0] == 0:
+            try:
+                shutil.rmtree(self.local_dir, ignore_errors=True)
+                self.local_dir.mkdir(parents=True)
+                if resume:
+                    fetch_checkpoint(self.store, self.local_dir, tag)
+            except (storage.StorageError, OSError) as exc:
+                error = f"cannot fetch a checkpoint from {self.store.url()}: {exc}"
+            except CheckpointError as exc:
+                error = str(exc)
+        _raise_if_any_rank_failed(error, "fetching a checkpoint from S3", device)
+
     def start(self, tag: str) -> None:
         if _rank_and_world()[0] != 0:
             return

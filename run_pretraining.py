@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 import checkpointing
 import runtime
-from data.dataset import RankBatches, WindowReader, scan_shards, window_size_for_budget
+import storage
+from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
@@ -49,9 +50,11 @@ class TrainingStopped(RuntimeError):
 def build_parser() -> argparse.ArgumentParser:
     parser = runtime.OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
     add = parser.add_argument
-    add("--input_dir", required=True, help="Directory of HDF5 shards; files whose name contains 'training' are used.")
+    add("--input_dir", required=True, help="Directory (or s3://bucket/prefix) of HDF5 shards; files whose name "
+        "contains 'training' are used.")
     add("--config_file", required=True, help="Model configuration JSON (modeling.BertConfig).")
-    add("--output_dir", required=True, help="Checkpoint directory; must be empty unless --resume_from_checkpoint.")
+    add("--output_dir", required=True, help="Checkpoint directory (or s3://bucket/prefix); must be empty unless "
+        "--resume_from_checkpoint.")
     add("--max_predictions_per_seq", type=int, default=80, help="Upper bound of the shards' masked positions.")
     add("--learning_rate", type=float, default=5e-5, help="Base learning rate.")
     add("--max_steps", type=float, default=1000, help="Optimizer steps of the LR schedule (and of the phase).")
@@ -87,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--skip_bad_shards", action="store_true", help="Skip (and count) a shard that fails to read mid-epoch instead of stopping.")
     add("--init_checkpoint", default=None, help="Start from these weights (checkpoint tag dir or state-dict file) with a fresh optimizer.")
     add("--data_memory_budget_mb", type=float, default=256, help="Memory per rank for the data window being read.")
+    add("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded from an s3:// "
+        "--input_dir (one subdirectory per rank) and for checkpoints on their way to an s3:// --output_dir.")
+    add("--s3_cache_gb", type=float, default=50, help="Bound of each rank's S3 shard cache, GiB (at least the "
+        "largest shard; two shards or more let the next shard download while one is read).")
+    add("--s3_endpoint_url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).")
     ignored = parser.add_argument_group("ignored", "Accepted for compatibility with the reference; these do nothing.")
     for flag, kind, default in (("--bert_model", str, "bert-large-uncased"), ("--max_seq_length", int, 512),
                                 ("--num_train_epochs", float, 3.0), ("--loss_scale", float, 0.0),
@@ -116,10 +124,12 @@ class DataInfo:
     seq_len: int
     max_pred: int
     num_samples: int
+    shard_files: object  # data.dataset.LocalShardFiles, or storage.ShardCache for an s3:// --input_dir
 
 
 def validate_args(args, world_size: int) -> tuple:
-    """Every check that needs no device: returns (ds_config, model_config, data_info); raises InputError."""
+    """Every check that needs no device: returns (ds_config, model_config, data_info, checkpoint copies
+    to S3 or None); raises InputError."""
     if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     runtime.check_profiler(args.profile, args.profile_steps, args.use_hpu)
@@ -131,12 +141,19 @@ def validate_args(args, world_size: int) -> tuple:
             raise InputError(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if not args.data_memory_budget_mb > 0:
         raise InputError(f"--data_memory_budget_mb must be positive, got {args.data_memory_budget_mb}")
+    try:
+        copies = open_s3_output(args) if storage.is_s3_url(args.output_dir) else None
+    except storage.StorageError as err:
+        raise InputError(str(err)) from err
     output_dir = Path(args.output_dir)
     # Another rank's write probe (below) may be there for a moment: it does not count.
-    if (output_dir.is_dir() and not args.resume_from_checkpoint
+    if (copies is None and output_dir.is_dir() and not args.resume_from_checkpoint
             and any(not p.name.startswith(runtime.WRITE_PROBE_PREFIX) for p in output_dir.iterdir())):
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint or use an empty directory")
-    runtime.check_writable_directory(output_dir, "--output_dir")
+    if copies is None:
+        runtime.check_writable_directory(output_dir, "--output_dir")
+    else:  # checkpoints are written there before they are copied to S3
+        runtime.check_writable_directory(copies.local_dir, "--s3_cache_dir")
     runtime.check_writable_file(args.json_summary, "--json-summary")
     if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
         raise InputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
@@ -146,7 +163,33 @@ def validate_args(args, world_size: int) -> tuple:
     except (OSError, ValueError) as err:
         raise InputError(f"--config_file {args.config_file}: {err}") from err
     data = inspect_data(args, ds_config["train_micro_batch_size_per_gpu"] * world_size)
-    return ds_config, model_config, data
+    return ds_config, model_config, data, copies
+
+
+def open_s3_output(args):
+    """Checkpoint copies for an s3:// --output_dir: the prefix must be writable (checked by rank 0) and
+    empty unless resuming; checkpoints are staged in <--s3_cache_dir>/checkpoints."""
+    store = storage.S3Store(args.output_dir, args.s3_endpoint_url)
+    store.check_access(write=os.environ.get("RANK", "0") == "0")
+    if not args.resume_from_checkpoint and store.list_objects(recursive=True):
+        raise InputError(f"--output_dir {args.output_dir} is not empty: pass --resume_from_checkpoint or use an "
+                         f"empty prefix")
+    return checkpointing.CheckpointUploader(store, Path(args.s3_cache_dir) / "checkpoints",
+                                            args.keep_last_n_checkpoints)
+
+
+def open_shard_files(args):
+    """Where the shards are read from: the directory, or for s3:// this rank's bounded download cache."""
+    if not storage.is_s3_url(args.input_dir):
+        if not Path(args.input_dir).is_dir():
+            raise InputError(f"--input_dir {args.input_dir} does not exist or is not a directory")
+        return LocalShardFiles(args.input_dir)
+    if not args.s3_cache_gb > 0:
+        raise InputError(f"--s3_cache_gb must be positive, got {args.s3_cache_gb}")
+    store = storage.S3Store(args.input_dir, args.s3_endpoint_url)
+    store.check_access()
+    cache_dir = Path(args.s3_cache_dir) / "shards" / f"rank{os.environ.get('RANK', '0')}"
+    return storage.ShardCache(store, cache_dir, int(args.s3_cache_gb * 2 ** 30))
 
 
 def load_deepspeed_config(args, world_size: int) -> dict:
@@ -159,12 +202,13 @@ def load_deepspeed_config(args, world_size: int) -> dict:
 
 def inspect_data(args, global_micro_batch: int) -> DataInfo:
     """Check the header of every training shard (ids are checked later, per window read)."""
-    input_dir = Path(args.input_dir)
-    if not input_dir.is_dir():
-        raise InputError(f"--input_dir {input_dir} does not exist or is not a directory")
+    input_dir = args.input_dir
     try:
-        shards, seq_len, max_pred = scan_shards(input_dir)
-    except ShardError as err:
+        shard_files = open_shard_files(args)
+        shards, seq_len, max_pred = scan_shards(input_dir, shard_files)
+        if isinstance(shard_files, storage.ShardCache):
+            shard_files.check_capacity([shard.path for shard in shards])
+    except (ShardError, storage.StorageError) as err:
         raise InputError(str(err)) from err
     if max_pred > args.max_predictions_per_seq:
         raise InputError(f"the shards hold {max_pred} masked positions per sequence, more than "
@@ -173,7 +217,7 @@ def inspect_data(args, global_micro_batch: int) -> DataInfo:
     if num_samples < global_micro_batch:
         raise InputError(f"--input_dir {input_dir} holds {num_samples} samples, fewer than one global "
                          f"micro-batch ({global_micro_batch})")
-    return DataInfo(shards, seq_len, max_pred, num_samples)
+    return DataInfo(shards, seq_len, max_pred, num_samples, shard_files)
 
 
 # ============================================================================ model, optimizer, engine
@@ -228,7 +272,7 @@ def describe_data_layout(args, data: DataInfo, window_size: int) -> dict:
     """What the stream position indexes into (data/dataset.py): a resume must see the same layout, or the
     saved position would point at other samples (repeats and gaps in the epoch)."""
     return {"seed": args.seed, "window_size": window_size, "shuffle": not args.disable_random_sampler,
-            "shards": sorted([shard.path.name, shard.num_samples] for shard in data.shards)}
+            "shards": sorted([shard.name, shard.num_samples] for shard in data.shards)}
 
 
 LAYOUT_FLAGS = {"seed": "--seed", "window_size": "--data_memory_budget_mb", "shuffle": "--disable_random_sampler",
@@ -242,19 +286,20 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
                              f"{current[key]!r} now (set by {flag}); resume with the same data and settings")
 
 
-def restore_state(args, engine, optimizer, config: BertConfig, data_layout: dict, say) -> TrainState:
-    """Resume from --output_dir when asked; otherwise (or when it holds no checkpoint) a fresh state."""
+def restore_state(args, checkpoint_dir, engine, optimizer, config: BertConfig, data_layout: dict, say) -> TrainState:
+    """Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one) when asked;
+    otherwise (or when it holds no checkpoint) a fresh state."""
     fresh = TrainState(phase=2 if args.phase2 else 1)
     if not args.resume_from_checkpoint:
         return fresh
     world, rank = dist.get_world_size(), dist.get_rank()
     tag = (str(args.resume_step) if args.resume_step >= 0
-           else checkpointing.find_resume_tag(args.output_dir, world, model_config=config.to_dict()))
+           else checkpointing.find_resume_tag(checkpoint_dir, world, model_config=config.to_dict()))
     if tag is None:
         say(f"no checkpoint in {args.output_dir}: starting from scratch")
         return fresh
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    client, rank_state = checkpointing.load_checkpoint(engine, args.output_dir, tag, rank)
+    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank)
     if client["model_config"] != config.to_dict():
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
     checkpointing.restore_rng_state(rank_state["rng"])
@@ -311,17 +356,22 @@ def start_phase2(engine, optimizer, fresh_schedule):
 
 
 def save(run, state: TrainState) -> str:
-    """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's)."""
+    """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's). With an
+    s3:// --output_dir, the copy of the previous checkpoint is waited for, and this one's started."""
     args, tag = run.args, checkpoint_tag(run.args, state)
     client_state = {"global_step": state.global_step, "samples_consumed": state.samples_consumed,
                     "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
                     "model_config": run.model_config.to_dict(), "world_size": run.world,
                     "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps,
                     "data_layout": run.data_layout}
-    checkpointing.save_checkpoint(run.engine, args.output_dir, tag, client_state,
+    if run.copies is not None:
+        run.copies.finish(run.device)
+    checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,
                                   {"rng": checkpointing.capture_rng_state()})
     if args.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
-        checkpointing.prune_checkpoints(args.output_dir, args.keep_last_n_checkpoints)
+        checkpointing.prune_checkpoints(run.checkpoint_dir, args.keep_last_n_checkpoints)
+    if run.copies is not None:
+        run.copies.start(tag)
     run.say(f"saved checkpoint {tag}")
     return tag
 
@@ -365,6 +415,8 @@ class Run:
     say: object
     epoch_size: int
     data_layout: dict
+    checkpoint_dir: Path  # where checkpoints are written: --output_dir, or the staging dir of an s3:// one
+    copies: object        # checkpointing.CheckpointUploader for an s3:// --output_dir, else None
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
@@ -505,7 +557,16 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     args = parse_arguments(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ds_config, model_config, data = validate_args(args, world_size)
+    ds_config, model_config, data, copies = validate_args(args, world_size)
+    try:
+        return train_run(args, started, ds_config, model_config, data, copies)
+    finally:  # also after an error: the process must not end in the middle of a checkpoint copy
+        if copies is not None:
+            copies.wait()
+        data.shard_files.close()
+
+
+def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo, copies) -> dict:
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime.seed_everything(args.seed + rank)
@@ -515,16 +576,19 @@ def main(argv=None) -> dict:
     engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
     data_layout = describe_data_layout(args, data, window_size)
-    state = restore_state(args, engine, optimizer, model_config, data_layout, say)
+    checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
+    if copies is not None:
+        copies.prepare(device, args.resume_from_checkpoint, str(args.resume_step) if args.resume_step >= 0 else None)
+    state = restore_state(args, checkpoint_dir, engine, optimizer, model_config, data_layout, say)
     if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
         return nothing_to_train(args, state, logger, say, time.perf_counter() - started)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
-                          shuffle=not args.disable_random_sampler,
-                          skip_bad_shards=args.skip_bad_shards, skipped_shards=state.skipped_shards)
+                          shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
+                          skipped_shards=state.skipped_shards, shard_files=data.shard_files)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
     run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
-              data.seq_len, model_config, say, reader.stream.epoch_size, data_layout)
+              data.seq_len, model_config, say, reader.stream.epoch_size, data_layout, checkpoint_dir, copies)
     first_step = state.global_step
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
@@ -534,6 +598,8 @@ def main(argv=None) -> dict:
             final = train(run, state, batches, stop_event, profiler)
     finally:
         batches.close()
+    if copies is not None:
+        copies.finish(device)  # the last checkpoint is on S3 before the run reports success
     raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
     summary = {"e2e_train_time": time.perf_counter() - started, "training_sequences_per_second": sequences / raw_train_time,
@@ -562,7 +628,8 @@ def log_parameters(logger, args, ds_config: dict):
 
 def cli(argv=None) -> int:
     """Command-line entry: one clear error line and a non-zero exit code instead of a traceback."""
-    return runtime.run_cli(main, argv, (ShardError, checkpointing.CheckpointError, TrainingStopped))
+    return runtime.run_cli(main, argv, (ShardError, checkpointing.CheckpointError, TrainingStopped,
+                                        storage.StorageError))
 
 
 if __name__ == "__main__":

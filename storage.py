@@ -32,7 +32,9 @@ from urllib.parse import urlsplit
 
 S3_SCHEME = "s3://"
 DEFAULT_MAX_ATTEMPTS = 8
-TRANSFER_CHUNK = 64 << 20  # multipart part size and ranged-GET size of uploads and downloads
+TRANSFER_CHUNK = 64 << 20  # multipart part size of uploads
+DOWNLOAD_RANGE = 16 << 20  # downloads: ranged GETs of this size, DOWNLOAD_THREADS at a time
+DOWNLOAD_THREADS = 8
 RANGE_BLOCK = 1 << 20  # RangeFile reads whole blocks of this size
 _ETAG_SUFFIX = ".etag"  # a cached file's verified ETag lives beside it, in .<name>.etag
 _PARTIAL = ".partial"
@@ -82,7 +84,22 @@ def make_client(endpoint: str | None = None):
     retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard"),
                "total_max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))}
     config = Config(retries=retries, connect_timeout=20, read_timeout=120, max_pool_connections=32)
-    return boto3.client("s3", endpoint_url=endpoint_url(endpoint), config=config)
+    client = boto3.client("s3", endpoint_url=endpoint_url(endpoint), config=config)
+    _own_retry_jitter(client)
+    return client
+
+
+def _own_retry_jitter(client) -> None:
+    """botocore's standard retry mode draws its backoff jitter from Python's global `random`, whose
+    state training records in every checkpoint: a retry in a background download would make a resumed
+    run's checkpoints differ from an uninterrupted run's. Give the backoff a generator of its own.
+    (Reaches into botocore's retry handler; other retry modes are left as they are.)"""
+    import random
+    jitter = random.Random()
+    for handler in client.meta.events._emitter._handlers.prefix_search("needs-retry.s3"):
+        backoff = getattr(getattr(getattr(handler, "__self__", None), "_retry_policy", None), "_retry_backoff", None)
+        if backoff is not None and hasattr(backoff, "_random"):
+            backoff._random = jitter.random
 
 
 def _transfer_config():
@@ -158,19 +175,21 @@ class S3Store:
             raise self._error(err, f"cannot read {self.url(name)}") from None
         return True
 
-    def get_bytes(self, name: str, byte_range: tuple[int, int] | None = None) -> bytes:
-        """The object (or bytes [start, end) of it)."""
-        extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
-        response = self._call(f"cannot read {self.url(name)}", "get_object", Bucket=self.bucket,
-                              Key=self.key(name), **extra)
-        return self._read_body(response, name)
-
-    def _read_body(self, response, name: str) -> bytes:
+    def get_bytes(self, name: str, byte_range: tuple[int, int] | None = None, etag: str | None = None,
+                  attempts: int = 3) -> bytes:
+        """The object (or bytes [start, end) of it; only while its ETag is `etag`, if given). botocore
+        retries the request; a connection that breaks while the body streams is retried here."""
         from botocore.exceptions import BotoCoreError
-        try:
-            return response["Body"].read()
-        except (BotoCoreError, OSError) as err:
-            raise self._error(err, f"cannot read {self.url(name)}") from None
+        extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
+        extra.update({"IfMatch": f'"{etag}"'} if etag else {})
+        for attempt in range(attempts):
+            response = self._call(f"cannot read {self.url(name)}", "get_object", Bucket=self.bucket,
+                                  Key=self.key(name), **extra)
+            try:
+                return response["Body"].read()
+            except (BotoCoreError, OSError) as err:
+                if attempt == attempts - 1:
+                    raise self._error(err, f"cannot read {self.url(name)}") from None
 
     def put_bytes(self, name: str, data: bytes) -> None:
         self._call(f"cannot write {self.url(name)}", "put_object", Bucket=self.bucket, Key=self.key(name), Body=data)
@@ -188,7 +207,6 @@ class S3Store:
     def download(self, name: str, destination: Path, expected: RemoteObject | None = None) -> RemoteObject:
         """Download to `destination` (atomically: a temporary name, verified, then renamed); returns the
         object as verified. `expected`: the listed object, which must not have changed since."""
-        from botocore.exceptions import BotoCoreError, ClientError
         head = self.head(name)
         remote = RemoteObject(name, head["ContentLength"], head["ETag"].strip('"'))
         if expected is not None and (expected.size, expected.etag) != (remote.size, remote.etag):
@@ -196,14 +214,29 @@ class S3Store:
         destination = Path(destination)
         partial = destination.with_name(f".{destination.name}{_PARTIAL}")
         try:
-            self.client.download_file(self.bucket, self.key(name), str(partial), Config=_transfer_config())
+            self._get_to_file(remote, partial)
             self._verify(partial, remote, head)
             os.replace(partial, destination)
-        except (ClientError, BotoCoreError) as err:
-            raise self._error(err, f"cannot download {self.url(name)}") from None
         finally:
             partial.unlink(missing_ok=True)
         return remote
+
+    def _get_to_file(self, remote: RemoteObject, path: Path) -> None:
+        """The object into `path` by ranged GETs, several at a time. (Not boto3's download_file: its
+        temporary names come from Python's global `random`, which training checkpoints record.)"""
+        with open(path, "wb") as f:
+            f.truncate(remote.size)
+        ranges = [(start, min(start + DOWNLOAD_RANGE, remote.size)) for start in range(0, remote.size, DOWNLOAD_RANGE)]
+
+        def fetch(byte_range):
+            data = self.get_bytes(remote.name, byte_range, etag=remote.etag)
+            with open(path, "r+b") as f:
+                f.seek(byte_range[0])
+                f.write(data)
+
+        with ThreadPoolExecutor(max(1, min(DOWNLOAD_THREADS, len(ranges))), thread_name_prefix="s3-range") as pool:
+            for _ in pool.map(fetch, ranges):
+                pass
 
     def _verify(self, path: Path, remote: RemoteObject, head: dict) -> None:
         size = path.stat().st_size

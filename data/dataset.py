@@ -81,6 +81,9 @@ class LocalShardFiles:
     def prefetch(self, path) -> None:
         """`path` is the next shard in layout order."""
 
+    def close(self) -> None:
+        """Stop background work (the reader is done)."""
+
 
 def find_training_shards(shard_files) -> list:
     """Sorted files whose name contains 'training' (the reference's rule)."""

@@ -4,12 +4,15 @@ the server: a 503 SlowDown, or a connection reset.
 
 Faults in another process (the driver under test): set S3_FAULTS=<spec> in its environment and
 start it through a wrapper that calls install_faults_from_env() before anything talks to S3.
-spec = "<kind>:<first>:<count>[:<operation>]": requests number first .. first+count-1 (counted from
-1 over the matching requests of the process) get the fault; kind is "slowdown" or "reset";
-operation, e.g. "PutObject", limits the matching requests (default: all).
+spec = "<kind>:<first>:<count>[:<operation>[:<url part>]]": requests number first .. first+count-1
+(counted from 1 over the matching requests of the process) get the fault; kind is "slowdown", "reset"
+or "kill" (SIGKILL of the whole process, e.g. in the middle of a checkpoint upload); operation, e.g.
+"PutObject", and a substring of the URL limit the matching requests (default: all). Several specs
+are separated by commas.
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,17 +90,21 @@ def _reset(request):
     raise ConnectionClosedError(endpoint_url=request.url)
 
 
+def _kill(request):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FaultInjector:
     """Answers the matching requests first .. first+count-1 with a fault; counts what it answered."""
 
-    def __init__(self, kind: str, first: int, count: int, operation: str | None = None):
-        self.answer = {"slowdown": _slowdown, "reset": _reset}[kind]
-        self.first, self.count, self.operation = first, count, operation
+    def __init__(self, kind: str, first: int, count: int, operation: str | None = None, url_part: str = ""):
+        self.answer = {"slowdown": _slowdown, "reset": _reset, "kill": _kill}[kind]
+        self.first, self.count, self.operation, self.url_part = first, count, operation, url_part
         self.seen = self.injected = 0
         self._lock = threading.Lock()
 
     def __call__(self, request, event_name, **_):
-        if self.operation and not event_name.endswith(f".{self.operation}"):
+        if (self.operation and not event_name.endswith(f".{self.operation}")) or self.url_part not in request.url:
             return None
         with self._lock:
             self.seen += 1
@@ -119,8 +126,8 @@ def _events(client):
 def install_faults(spec: str, client=None) -> FaultInjector:
     """Register a FaultInjector on `client`, or on boto3's default session for clients made later
     (storage.make_client's)."""
-    kind, first, count, *operation = spec.split(":")
-    injector = FaultInjector(kind, int(first), int(count), operation[0] if operation else None)
+    kind, first, count, *where = spec.split(":")
+    injector = FaultInjector(kind, int(first), int(count), *where)
     injector.events = _events(client)
     injector.events.register("before-send.s3", injector)
     return injector
@@ -130,7 +137,5 @@ def remove_faults(injector: FaultInjector) -> None:
     injector.events.unregister("before-send.s3", injector)
 
 
-def install_faults_from_env():
-    if os.environ.get(FAULTS_ENV):
-        return install_faults(os.environ[FAULTS_ENV])
-    return None
+def install_faults_from_env() -> list:
+    return [install_faults(spec) for spec in os.environ.get(FAULTS_ENV, "").split(",") if spec]

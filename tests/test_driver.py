@@ -154,7 +154,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=0, bf16=True)
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)
     args = rp.parse_arguments(argv)
-    ds_dict, model_config, _ = rp.validate_args(args, 1)
+    ds_dict, model_config, _, _ = rp.validate_args(args, 1)
     runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
 
     def masters_and_steps():

@@ -501,6 +501,8 @@ def test_world_size_change_is_refused(tmp_path, shards, references):
 if __name__ == "__main__":
     if os.environ.get(KILL_ENV):
         install_kill(os.environ[KILL_ENV], int(os.environ.get("RANK", "0")))
+    import s3_helpers
+    s3_helpers.install_faults_from_env()  # S3_FAULTS: see tests/s3_helpers.py
     import run_pretraining
 
     sys.argv[0] = str(helpers.REPO_ROOT / "run_pretraining.py")

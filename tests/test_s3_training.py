@@ -62,3 +62,152 @@ def test_data_tool_with_a_missing_bucket_is_one_line(tmp_path, s3):
         "create_pretraining_data.py: error: cannot open s3://no-such-bucket-i12/shards: bucket 'no-such-bucket-i12' "
         f"does not exist at {s3[0].url}")
     assert s3_helpers.SECRET_KEY not in result.stderr + result.stdout
+
+
+# ============================================================================ the driver
+
+import pytest  # noqa: E402
+
+import checkpointing  # noqa: E402
+import run_pretraining  # noqa: E402
+import test_resume  # noqa: E402  (the driver under its kill wrapper, losses and checkpoint comparisons)
+
+SHARD_SIZES = test_resume.SHARD_SIZES
+
+
+@pytest.fixture
+def shards_on_s3(tmp_path, s3):
+    """The resume tests' shards, on disk and uploaded under s3://<bucket>/shards; returns
+    (local dir, s3 URL of the shards, s3 URL for the output)."""
+    _, bucket, client = s3
+    local = tmp_path / "shards"
+    helpers.write_synthetic_shards(local, SHARD_SIZES)
+    for path in local.iterdir():
+        client.upload_file(str(path), bucket, f"shards/{path.name}")
+    return local, f"s3://{bucket}/shards", f"s3://{bucket}/run"
+
+
+def s3_args(tmp_path, input_dir, output_dir, config, log, steps, **flags):
+    flags.setdefault("s3_cache_dir", tmp_path / "s3_cache")
+    return test_resume.driver_args(input_dir, output_dir, config, log, steps, **flags)
+
+
+def fetched(output_url: str, tmp_path: Path, tag=None) -> Path:
+    """The checkpoint on S3 that resume would use (or `tag`), downloaded; returns its directory."""
+    local = tmp_path / f"fetched_{tag}"
+    got = checkpointing.fetch_checkpoint(storage.S3Store(output_url), local, tag)
+    return local / got
+
+
+def test_training_from_s3_with_retried_faults_and_a_small_cache_matches_local(tmp_path, shards_on_s3, capsys):
+    """24 steps (more than an epoch of 81 samples) from S3 shards through a cache that holds the
+    largest shard but no two, checkpoints to S3 every 8 steps (keeping 1), while the server 'answers'
+    some requests with 503 SlowDown or a connection reset: the same losses and the same final
+    checkpoint, bit for bit, as a run on the same shards on disk."""
+    local, shards_url, output_url = shards_on_s3
+    config, steps = test_resume.ds_config(tmp_path, 1, True, 1), 24
+    test_resume.main_in_process(test_resume.driver_args(local, tmp_path / "ref", config, tmp_path / "ref.json", steps))
+    largest = max(p.stat().st_size for p in local.iterdir())
+    injectors = [s3_helpers.install_faults("slowdown:3:2"), s3_helpers.install_faults("reset:9:2:GetObject"),
+                 s3_helpers.install_faults("slowdown:2:1:PutObject")]
+    try:
+        summary = test_resume.main_in_process(s3_args(
+            tmp_path, shards_url, output_url, config, tmp_path / "s3.json", steps, num_steps_per_checkpoint=8,
+            keep_last_n_checkpoints=1, s3_cache_gb=1.3 * largest / 2 ** 30))
+    finally:
+        for injector in injectors:
+            s3_helpers.remove_faults(injector)
+    assert [injector.injected for injector in injectors] == [2, 2, 1]
+    assert summary["global_step"] == steps
+    assert test_resume.json_losses(tmp_path / "s3.json") == test_resume.json_losses(tmp_path / "ref.json")
+    assert test_resume.checkpoint_differences(tmp_path / "ref" / str(steps), fetched(output_url, tmp_path)) == []
+    remote_tags = {o.name.split("/")[0] for o in storage.S3Store(output_url).list_objects(recursive=True)}
+    assert remote_tags == {"24", "latest"}  # 8 and 16 pruned on S3 too
+    cache = tmp_path / "s3_cache" / "shards" / "rank0"
+    assert sum(p.stat().st_size for p in cache.iterdir()) <= 1.3 * largest
+    output = capsys.readouterr()
+    assert s3_helpers.SECRET_KEY not in output.out + output.err and s3_helpers.ACCESS_KEY not in output.out + output.err
+
+
+def test_cache_smaller_than_a_shard_is_one_error_before_training(tmp_path, shards_on_s3):
+    local, shards_url, output_url = shards_on_s3
+    config = test_resume.ds_config(tmp_path, 1, True, 1)
+    largest = max(local.iterdir(), key=lambda p: p.stat().st_size)
+    with pytest.raises(run_pretraining.InputError, match=rf"less than the shard {shards_url}/{largest.name} "):
+        test_resume.main_in_process(s3_args(tmp_path, shards_url, output_url, config, tmp_path / "a.json", 4,
+                                            s3_cache_gb=0.5 * largest.stat().st_size / 2 ** 30))
+    assert not (tmp_path / "a.json").exists()  # no step, not even a log
+
+
+@pytest.mark.parametrize("which", ["input_dir", "output_dir"])
+def test_missing_bucket_is_one_error_before_training(tmp_path, shards_on_s3, which):
+    local, shards_url, output_url = shards_on_s3
+    urls = {"input_dir": shards_url, "output_dir": output_url, which: "s3://no-such-bucket-i12/x"}
+    config = test_resume.ds_config(tmp_path, 1, True, 1)
+    with pytest.raises(run_pretraining.InputError, match=r"^cannot open s3://no-such-bucket-i12/x: bucket "
+                                                         r"'no-such-bucket-i12' does not exist"):
+        test_resume.main_in_process(s3_args(tmp_path, urls["input_dir"], urls["output_dir"], config,
+                                            tmp_path / "a.json", 4))
+
+
+def test_output_prefix_that_is_not_empty_needs_resume(tmp_path, shards_on_s3):
+    local, shards_url, output_url = shards_on_s3
+    storage.S3Store(output_url).put_bytes("something", b"x")
+    config = test_resume.ds_config(tmp_path, 1, True, 1)
+    argv = [arg for arg in s3_args(tmp_path, shards_url, output_url, config, tmp_path / "a.json", 4)
+            if arg != "--resume_from_checkpoint"]
+    with pytest.raises(run_pretraining.InputError, match=rf"--output_dir {output_url} is not empty"):
+        test_resume.main_in_process(argv)
+
+
+def assert_no_credentials(*outputs):
+    for output in outputs:
+        assert s3_helpers.ACCESS_KEY not in output and s3_helpers.SECRET_KEY not in output
+
+
+@pytest.mark.slow
+def test_kill_during_upload_then_resume_from_s3_two_ranks(tmp_path, shards_on_s3, monkeypatch):
+    """Two ranks read S3 shards (each through its own cache) and checkpoint to S3 every 3 steps. The
+    process is SIGKILLed in the middle of checkpoint 6's upload: `latest` on S3 still names 3, which
+    is complete. The run resumed from S3 then matches an uninterrupted run on local files: the same
+    losses, and the final checkpoint on S3 bit for bit. No output shows the credentials."""
+    local, shards_url, output_url = shards_on_s3
+    world, steps = 2, 12
+    config = test_resume.ds_config(tmp_path, 1, True, world)
+    reference = test_resume.run(test_resume.driver_args(local, tmp_path / "ref", config, tmp_path / "ref.json",
+                                                        steps), world)
+    monkeypatch.setenv(s3_helpers.FAULTS_ENV, "kill:2:1:PutObject:/run/6/")
+    status, killed = test_resume.finish(test_resume.start(
+        s3_args(tmp_path, shards_url, output_url, config, tmp_path / "a.json", steps, num_steps_per_checkpoint=3),
+        world))
+    assert status != 0 and "saved checkpoint 6" in killed, killed[-3000:]
+    monkeypatch.delenv(s3_helpers.FAULTS_ENV)
+    remote = storage.S3Store(output_url)
+    assert remote.get_bytes("latest") == b"3"
+    assert any(o.name.startswith("6/") for o in remote.list_objects(recursive=True))  # 6 was half uploaded
+    assert fetched(output_url, tmp_path).name == "3"
+    resumed = test_resume.run(s3_args(tmp_path, shards_url, output_url, config, tmp_path / "b.json", steps,
+                                      num_steps_per_checkpoint=3), world)
+    assert "resumed from checkpoint 3" in resumed
+    test_resume.assert_same_training((reference, tmp_path / "ref" / str(steps)), [killed, resumed],
+                                     fetched(output_url, tmp_path), steps)
+    assert sorted(p.name for p in (tmp_path / "s3_cache" / "shards").iterdir()) == ["rank0", "rank1"]
+    assert_no_credentials(reference, killed, resumed)
+
+
+@pytest.mark.slow
+def test_persistent_upload_fault_stops_the_run_with_one_line(tmp_path, shards_on_s3, monkeypatch):
+    """Every write of checkpoint 4 is answered 503 SlowDown: the run stops with one error line (at the
+    next save), and `latest` on S3 names checkpoint 2, complete."""
+    local, shards_url, output_url = shards_on_s3
+    config = test_resume.ds_config(tmp_path, 1, True, 1)
+    monkeypatch.setenv(s3_helpers.FAULTS_ENV, "slowdown:1:1000000:PutObject:/run/4/")
+    output = test_resume.run(s3_args(tmp_path, shards_url, output_url, config, tmp_path / "a.json", 8,
+                                     num_steps_per_checkpoint=2), 1, expect=1)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert errors[0].startswith(f"error: checkpoint 4 was not copied to {output_url}: cannot upload ")
+    assert errors[0].endswith("SlowDown (HTTP 503) after 4 attempts")
+    assert storage.S3Store(output_url).get_bytes("latest") == b"2"
+    assert fetched(output_url, tmp_path).name == "2"
+    assert_no_credentials(output)

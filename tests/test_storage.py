@@ -23,9 +23,10 @@ MIB = 1 << 20
 
 @pytest.fixture
 def small_parts(monkeypatch):
-    """Multipart uploads and ranged downloads in 5 MiB pieces (S3's smallest part), to test them with
-    small files."""
+    """Multipart uploads in 5 MiB parts (S3's smallest) and downloads in 3 MiB ranges, to test them
+    with small files."""
     monkeypatch.setattr(storage, "TRANSFER_CHUNK", 5 * MIB)
+    monkeypatch.setattr(storage, "DOWNLOAD_RANGE", 3 * MIB)
 
 
 def store_of(s3, prefix="data"):
@@ -75,17 +76,17 @@ def test_download_that_does_not_match_is_refused_and_leaves_nothing(tmp_path, s3
     (tmp_path / "x.bin").write_bytes(os.urandom(6 * MIB))
     store = store_of(s3)
     store.upload(tmp_path / "x.bin", "x.bin")
-    real_download = store.client.download_file
+    real_download = store._get_to_file
 
-    def download_then_flip_a_byte(bucket, key, filename, **kwargs):
-        real_download(bucket, key, filename, **kwargs)
+    def download_then_flip_a_byte(remote, filename):
+        real_download(remote, filename)
         with open(filename, "r+b") as f:
             f.seek(12345)
             byte = f.read(1)
             f.seek(12345)
             f.write(bytes([byte[0] ^ 1]))
 
-    store.client.download_file = download_then_flip_a_byte
+    store._get_to_file = download_then_flip_a_byte
     with pytest.raises(storage.StorageError, match=r"x\.bin does not match its ETag .*-2 \(corrupted"):
         store.download("x.bin", tmp_path / "y.bin")
     assert not (tmp_path / "y.bin").exists() and not list(tmp_path.glob(".y.bin*"))
