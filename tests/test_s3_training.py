@@ -195,7 +195,6 @@ def test_kill_during_upload_then_resume_from_s3_two_ranks(tmp_path, shards_on_s3
     assert_no_credentials(reference, killed, resumed)
 
 
-@pytest.mark.slow
 def test_persistent_upload_fault_stops_the_run_with_one_line(tmp_path, shards_on_s3, monkeypatch):
     """Every write of checkpoint 4 is answered 503 SlowDown: the run stops with one error line (at the
     next save), and `latest` on S3 names checkpoint 2, complete."""
