@@ -16,6 +16,7 @@
 # resuming phase 1's checkpoints directory (phase-2 tags continue after phase 1's last step).
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PHASE=1  # set by the launcher after sourcing this file, never taken from the environment
 PHASE1_DATASET="hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/books_wiki_en_corpus"
 PHASE2_DATASET="hdf5_lower_case_1_seq_len_512_max_pred_80_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/books_wiki_en_corpus"
 
@@ -27,7 +28,7 @@ die() {
 # Phase 1: the reference's schedule and data shape, common to every phase-1 launcher. Phase 2 (the reference
 # has no phase-2 launcher): NVIDIA's BERT recipe scaled to our phase 1 (LR 2/3 of phase 1's, warm-up 12.8 %).
 phase_args() {
-    case "${PHASE:-1}" in
+    case "$PHASE" in
         1) PHASE_ARGS=(--max_predictions_per_seq=20 --learning_rate=0.0015 --warmup_proportion=0.05
                        --constant_proportion=0.25 --json-summary="$RESULTS_DIR/dllogger.json") ;;
         2) PHASE_ARGS=(--phase2 --phase1_end_step="$PHASE1_END_STEP" --max_predictions_per_seq=80
@@ -57,7 +58,7 @@ pretraining_args() {
 # Resolve the HL_* overrides against the launcher's defaults (set before calling this).
 resolve_settings() {
     local dataset="$PHASE1_DATASET"
-    [[ "${PHASE:-1}" == 2 ]] && dataset="$PHASE2_DATASET"
+    [[ "$PHASE" == 2 ]] && dataset="$PHASE2_DATASET"
     DATA_DIR="${HL_DATA_DIR:-${HL_DATA_DIR_ROOT:-/data/pytorch/bert/pretraining}/$dataset}"
     MODEL_CONFIG="${HL_MODEL_CONFIG:-$DEFAULT_MODEL_CONFIG}"
     DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
@@ -74,7 +75,7 @@ resolve_settings() {
     [[ -d "$DATA_DIR" ]] || die "data directory $DATA_DIR does not exist (set HL_DATA_DIR_ROOT or HL_DATA_DIR; build it with data/create_datasets_from_start.sh)"
     [[ -f "$MODEL_CONFIG" ]] || die "model config $MODEL_CONFIG does not exist"
     [[ -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
-    if [[ "${PHASE:-1}" == 2 && ! -f "$CHECKPOINTS_DIR/latest" ]]; then
+    if [[ "$PHASE" == 2 && ! -f "$CHECKPOINTS_DIR/latest" ]]; then
         die "phase 2 starts from phase 1's last checkpoint, and $CHECKPOINTS_DIR has none (set HL_CHECKPOINTS_DIR or HL_RESULTS_DIR to phase 1's)"
     fi
     command -v deepspeed > /dev/null || die "the deepspeed launcher is not on PATH (activate the virtual environment)"

@@ -154,6 +154,13 @@ def test_phase2_launcher_resumes_phase1_checkpoints_with_phase2_data_and_schedul
     assert "--phase1_end_step=7038" in (tmp_path / "args").read_text().splitlines()
 
 
+def test_phase_in_the_environment_does_not_turn_a_phase1_launcher_into_phase2(stub_launcher):
+    env, tmp_path = stub_launcher
+    assert launch("run_bert_1.5b_8x.sh", dict(env, PHASE="2")).returncode == 0
+    program = (tmp_path / "args").read_text().splitlines()
+    assert "--phase2" not in program and "--max_predictions_per_seq=20" in program
+
+
 def test_hl_overrides_reach_the_command(stub_launcher):
     env, tmp_path = stub_launcher
     env.update(HL_NUM_NODES="1", HL_NGPU_PER_NODE="2", HL_DEVICE="cpu", HL_MAX_STEPS="7", HL_RUN_STEPS="3",
