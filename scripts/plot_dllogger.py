@@ -62,7 +62,7 @@ def plot(curves: dict, title: str):
     loss_axes.legend()
     loss_axes.grid(alpha=0.3)
     if LR_KEY in curves:
-        lr_axes.plot(*curves[LR_KEY], color="tab:orange", label=LR_KEY)
+        lr_axes.plot(*curves[LR_KEY], color="tab:green", label=LR_KEY)
     lr_axes.set_ylabel(LR_KEY)
     lr_axes.set_xlabel("global step")
     lr_axes.grid(alpha=0.3)
