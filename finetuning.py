@@ -33,6 +33,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 import checkpointing
 import runtime
+import storage
 from errors import InputError
 from hf_interop import read_config_file, read_pretrained_weights
 from modeling import BertConfig
@@ -57,7 +59,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser = runtime.OneLineErrorParser(description=description)
     add = parser.add_argument
     add("--init_checkpoint", default=None, help="Pretrained weights: a run_pretraining.py output or tag directory "
-        "(any ZeRO stage and ranks), a `checkpointing.py export` file, or a Hugging Face BERT directory.")
+        "(any ZeRO stage and ranks; also s3://bucket/prefix[/tag]), a `checkpointing.py export` file, or a "
+        "Hugging Face BERT directory.")
     add("--config_file", default=None, help="Model config JSON (needed unless --init_checkpoint records one).")
     add("--vocab_file", required=True, help="vocab.txt of the pretrained model.")
     add("--do_lower_case", action="store_true", help="Lower-case the text (uncased vocab).")
@@ -148,7 +151,23 @@ def load_pretrained(args) -> tuple:
     else --config_file with fresh weights."""
     if args.init_checkpoint is None:
         return read_config_file(args.config_file), None
+    if storage.is_s3_url(args.init_checkpoint):
+        with tempfile.TemporaryDirectory(prefix="init-checkpoint-") as local:
+            return read_pretrained_weights(fetch_s3_checkpoint(args.init_checkpoint, Path(local)), args.config_file)
     return read_pretrained_weights(args.init_checkpoint, args.config_file)
+
+
+def fetch_s3_checkpoint(url: str, local: Path) -> Path:
+    """The checkpoint of a run_pretraining.py s3:// output (the one resume would use) or of one tag of it
+    (s3://bucket/prefix/<tag>), downloaded and verified into `local`; returns its tag directory."""
+    try:
+        tag = checkpointing.fetch_checkpoint(storage.S3Store(url), local)
+        if tag is None:  # not a run's prefix: the URL may name one tag of it
+            parent, _, name = url.rstrip("/").rpartition("/")
+            tag = checkpointing.fetch_checkpoint(storage.S3Store(parent), local, name)
+    except (storage.StorageError, checkpointing.CheckpointError) as err:
+        raise InputError(f"--init_checkpoint {url}: {err}") from err
+    return local / tag
 
 
 def load_tokenizer(args, config: BertConfig):

@@ -1,6 +1,7 @@
 """S3 end to end, against a real S3 server (moto_server on 127.0.0.1): the data tool reading text from
 and writing shards to S3, and the driver training from S3 shards and checkpointing to S3."""
 
+import argparse
 import gzip
 import os
 import subprocess
@@ -9,11 +10,17 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers  # noqa: E402  (puts the repo root on sys.path)
 import s3_helpers  # noqa: E402
+import checkpointing  # noqa: E402
+import finetuning  # noqa: E402
+import run_pretraining  # noqa: E402
 import storage  # noqa: E402
+import test_resume  # noqa: E402  (the driver under its kill wrapper, losses and checkpoint comparisons)
 from data.shard_format import SHARD_KEYS  # noqa: E402
 
 DATA_TOOL = helpers.REPO_ROOT / "data" / "create_pretraining_data.py"
@@ -65,12 +72,6 @@ def test_data_tool_with_a_missing_bucket_is_one_line(tmp_path, s3):
 
 
 # ============================================================================ the driver
-
-import pytest  # noqa: E402
-
-import checkpointing  # noqa: E402
-import run_pretraining  # noqa: E402
-import test_resume  # noqa: E402  (the driver under its kill wrapper, losses and checkpoint comparisons)
 
 SHARD_SIZES = test_resume.SHARD_SIZES
 
@@ -125,6 +126,11 @@ def test_training_from_s3_with_retried_faults_and_a_small_cache_matches_local(tm
     assert remote_tags == {"24", "latest"}  # 8 and 16 pruned on S3 too
     cache = tmp_path / "s3_cache" / "shards" / "rank0"
     assert sum(p.stat().st_size for p in cache.iterdir()) <= 1.3 * largest
+    # Fine-tuning reads the S3 output (a run's prefix, or one tag of it) as it reads a local one.
+    _, expected = checkpointing.consolidated_checkpoint(tmp_path / "ref", str(steps))
+    for url in (output_url, f"{output_url}/{steps}"):
+        _, weights = finetuning.load_pretrained(argparse.Namespace(init_checkpoint=url, config_file=None))
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
     output = capsys.readouterr()
     assert s3_helpers.SECRET_KEY not in output.out + output.err and s3_helpers.ACCESS_KEY not in output.out + output.err
 
