@@ -140,13 +140,18 @@ def _read_question(qa, where, path, context, is_training, version_2_with_negativ
 
 
 class SquadTokenizer:
-    """The project's BERT WordPiece tokenizer (HF tokenizers) with the ids a SQuAD feature needs."""
+    """A BERT WordPiece `tokenizers.Tokenizer` (the project's, from a vocab.txt) with the ids a SQuAD
+    feature needs."""
 
-    def __init__(self, vocab_file, do_lower_case=True):
-        self.tokenizer, self.vocab_size, special = load_tokenizer(vocab_file, do_lower_case)
-        self.cls_id, self.sep_id = special["[CLS]"], special["[SEP]"]
-        pad_id = self.tokenizer.token_to_id("[PAD]")
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cls_id, self.sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+        pad_id = tokenizer.token_to_id("[PAD]")
         self.pad_id = 0 if pad_id is None else pad_id
+
+    @classmethod
+    def from_vocab(cls, vocab_file, do_lower_case=True):
+        return cls(load_tokenizer(vocab_file, do_lower_case)[0])
 
     def encode(self, texts):
         """[(ids array, (n, 2) character offsets array)] per text, without special tokens."""

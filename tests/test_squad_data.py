@@ -14,7 +14,7 @@ VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return squad.SquadTokenizer(VOCAB, do_lower_case=True)
+    return squad.SquadTokenizer.from_vocab(VOCAB, do_lower_case=True)
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +319,44 @@ def test_v2_null_score_is_the_minimum_over_windows(tokenizer, long_paragraph):
     result = squad.decode_predictions([example], features, start, end, version_2_with_negative=True)
     best = max(entry["start_logit"] + entry["end_logit"] for entry in result.nbest["q"] if entry["text"])
     assert result.null_odds["q"] == pytest.approx(1.5 - best)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Download (from a local file:// mirror: the real site is not reachable from the tests)
+
+
+def test_download_verifies_and_skips(tmp_path):
+    from data import squad_download
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    checksums = {}
+    for name in ("train-v1.1.json", "dev-v1.1.json"):
+        write_squad(mirror / name, word_questions(sample_sentences()[:3], 1, seed=0))
+        checksums[name] = squad_download.sha256_of(mirror / name)
+    out = tmp_path / "squad"
+    paths = squad_download.download(out, ["v1.1"], mirror.as_uri(), checksums)
+    assert paths == [out / "v1.1" / "train-v1.1.json", out / "v1.1" / "dev-v1.1.json"]
+    assert all(path.read_bytes() == (mirror / path.name).read_bytes() for path in paths)
+    assert not squad_download.fetch_verified("file:///nonexistent", paths[0], checksums["train-v1.1.json"])
+
+    paths[1].write_text("{}")  # a damaged local copy is detected and set aside
+    with pytest.raises(InputError, match=r"dev-v1\.1\.json: SHA-256 .* moved to .*\.bad"):
+        squad_download.download(out, ["v1.1"], mirror.as_uri(), checksums)
+    assert (out / "v1.1" / "dev-v1.1.json.bad").exists() and not paths[1].exists()
+    squad_download.download(out, ["v1.1"], mirror.as_uri(), checksums)  # the rerun downloads it again
+    assert paths[1].read_bytes() == (mirror / "dev-v1.1.json").read_bytes()
+
+
+def test_download_cli_rejects_wrong_content(tmp_path):
+    import subprocess
+    import sys
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for name in ("train-v2.0.json", "dev-v2.0.json"):
+        (mirror / name).write_text('{"data": []}')
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "data" / "squad_download.py"), "--output_dir",
+                             str(tmp_path / "squad"), "--versions", "v2.0"], capture_output=True, text=True,
+                            env={"SQUAD_BASE_URL": mirror.as_uri(), "PATH": ""}, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1].startswith("squad_download.py: error: ")
+    assert "train-v2.0.json: SHA-256" in result.stderr and "68dcfbb971bd" in result.stderr

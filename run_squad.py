@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Fine-tune and evaluate BERT on SQuAD v1.1 / v2.0.
+
+Flags follow NVIDIA's run_squad.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
+fine-tuning flags of finetuning.py). One process per device, or one process:
+
+    python run_squad.py --init_checkpoint results/bert_tiny/checkpoints --vocab_file data/vocab.txt \\
+        --do_lower_case --train_file train-v1.1.json --predict_file dev-v1.1.json --do_train --do_predict \\
+        --do_eval --output_dir results/squad
+    deepspeed --num_gpus 2 --no_local_rank run_squad.py ... --deepspeed --deepspeed_config ds.json
+
+Outputs in --output_dir (--do_predict / --do_eval): predictions.json ({question id: answer text}),
+nbest_predictions.json ({id: [{text, probability, start_logit, end_logit}]}), for v2.0 null_odds.json ({id:
+null score minus best answer score}); with --do_eval eval_results.json (the official scripts' figures, see
+squad_metrics.py) and the dllogger keys exact_match and F1 (v2.0: also HasAns_*, NoAns_*, best_*);
+checkpoints/ (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import finetuning
+import squad_metrics
+from atomic_write import write_text_atomically
+from data import squad
+from errors import InputError
+from modeling import BertForQuestionAnswering
+
+
+def build_parser():
+    parser = finetuning.build_parser("Fine-tune BERT on SQuAD v1.1/v2.0 (NVIDIA run_squad.py flags) with DeepSpeed.")
+    add = parser.add_argument
+    add("--train_file", default=None, help="SQuAD JSON for training, e.g. train-v1.1.json.")
+    add("--predict_file", default=None, help="SQuAD JSON to predict (and, with --do_eval, to score), "
+        "e.g. dev-v1.1.json.")
+    add("--max_seq_length", type=int, default=384, help="Tokens per window: [CLS] question [SEP] context [SEP].")
+    add("--doc_stride", type=int, default=128, help="Tokens between the starts of a context's windows.")
+    add("--max_query_length", type=int, default=64, help="Question tokens kept.")
+    add("--predict_batch_size", type=int, default=8, help="Batch per device for prediction.")
+    add("--n_best_size", type=int, default=20, help="Answers kept per question in nbest_predictions.json "
+        "(and best starts x best ends searched).")
+    add("--max_answer_length", type=int, default=30, help="Longest answer, in tokens.")
+    add("--version_2_with_negative", action="store_true", help="SQuAD v2.0: questions may have no answer.")
+    add("--null_score_diff_threshold", type=float, default=0.0, help="v2.0: answer '' when the null score "
+        "minus the best answer's score exceeds this.")
+    return parser
+
+
+def check_flags(args, config) -> None:
+    if args.do_train and not args.train_file:
+        raise InputError("--do_train needs --train_file")
+    if (args.do_predict or args.do_eval) and not args.predict_file:
+        raise InputError("--do_predict and --do_eval need --predict_file")
+    if not args.max_query_length + 3 < args.max_seq_length <= config.max_position_embeddings:
+        raise InputError(f"--max_seq_length must be in ({args.max_query_length} + 3, "
+                         f"{config.max_position_embeddings}] (--max_query_length + 3, the model's "
+                         f"max_position_embeddings), got {args.max_seq_length}")
+    for name in ("doc_stride", "max_query_length", "predict_batch_size", "n_best_size", "max_answer_length"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
+
+
+def read_task_data(args, tokenizer, config) -> dict:
+    """{"train"/"predict": (examples, features)} of what this run needs: read before any work."""
+    check_flags(args, config)
+    tokenizer = squad.SquadTokenizer(tokenizer)
+    wanted = {"train": args.train_file if args.do_train else None,
+              "predict": args.predict_file if args.do_predict or args.do_eval else None}
+    data = {}
+    for name, path in wanted.items():
+        if path is None:
+            continue
+        examples = squad.read_squad(path, is_training=name == "train",
+                                    version_2_with_negative=args.version_2_with_negative)
+        if name == "predict" and args.do_eval:
+            unscored = [e.qas_id for e in examples if not e.gold_answers and not e.is_impossible]
+            if unscored:
+                raise InputError(f"--do_eval: {path} has no answers for {len(unscored)} question(s) "
+                                 f"(first: id {unscored[0]}); use --do_predict alone for unanswered files")
+        features = squad.convert_examples_to_features(examples, tokenizer, args.max_seq_length, args.doc_stride,
+                                                      args.max_query_length, is_training=name == "train")
+        data[name] = examples, features
+    return data
+
+
+def tensors(features, training: bool) -> dict:
+    import torch
+    names = ["input_ids", "token_type_ids", "attention_mask"] + (["start_positions", "end_positions"] if training
+                                                                  else [])
+    return {name: torch.from_numpy(getattr(features, name)) for name in names}
+
+
+def span_loss(model, batch):
+    return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["start_positions"],
+                 batch["end_positions"])[0]
+
+
+def span_logits(model, batch):
+    return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+
+
+def write_json(path, value) -> None:
+    write_text_atomically(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def predict_and_evaluate(session, model, examples, features) -> dict:
+    """Predictions of --predict_file (rank 0 writes the files) and, with --do_eval, their scores."""
+    args, output_dir = session.args, Path(session.args.output_dir)
+    started = time.perf_counter()
+    start_logits, end_logits = finetuning.predict(session, model, tensors(features, training=False),
+                                                  args.predict_batch_size, span_logits)
+    inference_time = time.perf_counter() - started
+    summary = {"e2e_inference_time": inference_time, "inference_sequences_per_second": len(features) / inference_time}
+    if session.rank != 0:
+        return summary
+    result = squad.decode_predictions(examples, features, start_logits.numpy(), end_logits.numpy(), args.n_best_size,
+                                      args.max_answer_length, args.version_2_with_negative,
+                                      args.null_score_diff_threshold)
+    write_json(output_dir / "predictions.json", result.answers)
+    write_json(output_dir / "nbest_predictions.json", result.nbest)
+    if args.version_2_with_negative:
+        write_json(output_dir / "null_odds.json", result.null_odds)
+    session.say(f"wrote predictions.json and nbest_predictions.json{' and null_odds.json' * bool(result.null_odds)}"
+                f" for {len(examples)} questions in {output_dir}")
+    if args.do_eval:
+        summary.update(score(args, result, output_dir))
+        session.say(f"exact_match {summary['exact_match']:.2f}, F1 {summary['F1']:.2f}")
+    return summary
+
+
+def score(args, result, output_dir) -> dict:
+    """The official scripts' figures (eval_results.json) and NVIDIA's dllogger names for the main two."""
+    dataset = squad.load_json(args.predict_file)
+    if args.version_2_with_negative:  # a question counts as unanswered exactly when its prediction is ""
+        figures = squad_metrics.evaluate(dataset, result.answers, result.null_odds, args.null_score_diff_threshold)
+    else:
+        figures = squad_metrics.evaluate(dataset, result.answers)
+    write_json(output_dir / "eval_results.json", figures)
+    exact = figures.pop("exact" if args.version_2_with_negative else "exact_match")
+    return {"exact_match": exact, "F1": figures.pop("f1"), **figures}
+
+
+def main(argv=None) -> dict:
+    args = finetuning.parse_arguments(build_parser(), argv)
+    ds_config = finetuning.validate(args)
+    config, weights = finetuning.load_pretrained(args)
+    tokenizer = finetuning.load_tokenizer(args, config)
+    data = read_task_data(args, tokenizer, config)
+    session = finetuning.start(args, ds_config, "run_squad")
+    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session.say)
+    summary = {}
+    if args.do_train:
+        summary.update(finetuning.train(session, model, tensors(data["train"][1], training=True), span_loss))
+    if "predict" in data and not summary.get("stopped_by_signal"):
+        summary.update(predict_and_evaluate(session, model, *data["predict"]))
+    session.logger.log(step=(), data=summary)
+    session.logger.flush()
+    return summary
+
+
+def cli(argv=None) -> int:
+    return finetuning.run_cli(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
