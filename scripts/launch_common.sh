@@ -38,17 +38,21 @@ phase_args() {
     esac
 }
 
-pretraining_args() {
-    local device_args=()
+# HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS.
+device_args() {
     case "${HL_DEVICE:-hpu}" in
-        hpu) device_args=(--use_hpu) ;;
-        cuda) device_args=() ;;
-        cpu) device_args=(--no_cuda) ;;
+        hpu) DEVICE_ARGS=(--use_hpu) ;;
+        cuda) DEVICE_ARGS=() ;;
+        cpu) DEVICE_ARGS=(--no_cuda) ;;
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
     esac
+}
+
+pretraining_args() {
+    device_args
     phase_args
     PRETRAINING_ARGS=(
-        "${device_args[@]}" --disable_progress_bar --optimizer=lans --use_lr_scheduler --resume_from_checkpoint
+        "${DEVICE_ARGS[@]}" --disable_progress_bar --optimizer=lans --use_lr_scheduler --resume_from_checkpoint
         --config_file="$MODEL_CONFIG" --output_dir="$CHECKPOINTS_DIR" --seed=12439 --input_dir="$DATA_DIR"
         --max_steps="$MAX_STEPS" --steps_this_run="$RUN_STEPS" --num_steps_per_checkpoint="$NUM_STEPS_PER_CP"
         "${PHASE_ARGS[@]}" --scheduler_degree=1.0 --log_freq="$LOG_FREQ" --deepspeed --deepspeed_config="$DS_CONFIG"

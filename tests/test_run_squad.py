@@ -113,3 +113,81 @@ def test_short_run_writes_official_files(tmp_path, squad_files):
     logged = [json.loads(line[5:]) for line in (out / "dllogger.json").read_text().splitlines()
               if line.startswith("DLLL ")]
     assert logged[-1]["step"] == [] and logged[-1]["data"]["exact_match"] == pytest.approx(summary["exact_match"])
+
+
+def run_launcher(tmp_path, **env):
+    """scripts/run_squad.sh with a stub `deepspeed` first on PATH that records its arguments."""
+    import os
+    import subprocess
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "deepspeed").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path / "args"}\n')
+    (bin_dir / "deepspeed").chmod(0o755)
+    own = ("INIT_CHECKPOINT", "SQUAD_VERSION", "SQUAD_DIR", "HL_DEVICE", "HL_NUM_NODES", "HL_DS_CONFIG")
+    full_env = {key: value for key, value in os.environ.items() if key not in own}
+    full_env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HL_RESULTS_DIR=str(tmp_path / "results"), **env)
+    return subprocess.run(["bash", str(REPO_ROOT / "scripts" / "run_squad.sh"), "--max_steps", "5"],
+                          env=full_env, capture_output=True, text=True, timeout=60)
+
+
+def test_launcher_command_line(tmp_path):
+    squad_dir = tmp_path / "squad"
+    for split in ("train", "dev"):
+        write_squad(squad_dir / f"{split}-v2.0.json", [], version="v2.0")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    result = run_launcher(tmp_path, INIT_CHECKPOINT=str(checkpoint), SQUAD_VERSION="v2.0", SQUAD_DIR=str(squad_dir),
+                          HL_DEVICE="cpu", HL_NGPU_PER_NODE="2")
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:7] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python", "python"]
+    assert args[8] == "./run_squad.py" and "--no_cuda" in args and "--version_2_with_negative" in args
+    assert args[args.index("--train_file") + 1] == str(squad_dir / "train-v2.0.json")
+    assert args[args.index("--init_checkpoint") + 1] == str(checkpoint)
+    assert args[-2:] == ["--max_steps", "5"]  # extra arguments are passed on
+    # every flag the launcher passes is one run_squad.py knows
+    known = {option for action in run_squad.build_parser()._actions for option in action.option_strings}
+    assert {arg for arg in args[9:] if arg.startswith("--")} - {"--deepspeed", "--deepspeed_config"} <= known
+
+
+@pytest.mark.parametrize("env, message", [
+    ({}, "set INIT_CHECKPOINT"),
+    ({"INIT_CHECKPOINT": "/nonexistent"}, "INIT_CHECKPOINT /nonexistent does not exist"),
+    ({"INIT_CHECKPOINT": "/", "SQUAD_DIR": "/nonexistent"}, "python data/squad_download.py fetches it"),
+    ({"INIT_CHECKPOINT": "/", "SQUAD_VERSION": "v3"}, "SQUAD_VERSION must be v1.1 or v2.0"),
+])
+def test_launcher_stops_early_with_one_line(tmp_path, env, message):
+    result = run_launcher(tmp_path, **env)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and message in result.stderr
+    assert not (tmp_path / "args").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Learning check (slow): fine-tuning the pretrained tiny post-LN checkpoint on "Where is the word W?" questions
+# about real sentences. The pre-LN wiring of the demo does not learn this task in the same budget: its
+# residual stream starts at 0, not at the embeddings (as in the reference), so a position keeps its own token
+# only through attention; measured 9-12% exact match after 500 steps where post-LN reached 90% (README).
+
+
+def learning_run(tmp_path, checkpoint, config, shuffled):
+    sentences = sample_sentences()
+    import random
+    random.Random(0).shuffle(sentences)
+    train = write_squad(tmp_path / "train.json", word_questions(sentences[:2700], 3, seed=0, shuffled=shuffled))
+    dev = write_squad(tmp_path / "dev.json", word_questions(sentences[-300:], 1, seed=1, id_prefix="d"))
+    return run_squad.main(squad_argv(tmp_path / "out", init_checkpoint=checkpoint, config_file=config,
+                                     train_file=train, predict_file=dev, do_train=True, do_predict=True,
+                                     do_eval=True, train_batch_size=32, max_steps=None, num_train_epochs=2,
+                                     learning_rate=2e-3, skip_checkpoint=True))
+
+
+@pytest.mark.slow
+def test_fine_tuning_learns_to_point_at_the_named_word(tmp_path, pretrained_tiny_post_ln):
+    summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=False)
+    assert summary["exact_match"] >= 80, summary
+
+
+@pytest.mark.slow
+def test_with_shuffled_answers_the_same_run_stays_low(tmp_path, pretrained_tiny_post_ln):
+    summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=True)
+    assert summary["exact_match"] < 30, summary
