@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.create_pretraining_data import load_tokenizer
+from data.tokenization import load_tokenizer
 from errors import InputError
 
 CLS_POSITION = 0

@@ -70,18 +70,34 @@ def s3(moto_server, tmp_path, monkeypatch, request):
     return moto_server, bucket, client
 
 
-@pytest.fixture(scope="session")
-def pretrained_tiny_checkpoint(tmp_path_factory, pipeline_shards):
-    """A short real pretraining with the demo's settings (scripts/run_bert_tiny_cpu.sh: tiny pre-LN config,
-    LANS, PolyWarmUp, learning rate 0.02, bf16, ZeRO-1, global batch 64) on one rank for 40 steps, on the
-    real-text shards of `pipeline_shards`. Returns the run's checkpoint directory (DeepSpeed format, ZeRO-1
-    partitions: fine-tuning consolidates it on load). Shared by the fine-tuning tests (GLUE, SQuAD)."""
-    work = tmp_path_factory.mktemp("pretrained_tiny")
+def pretrain_tiny(work, shards, config_file=helpers.TINY_MODEL_CONFIG):
+    """A short real pretraining with the demo's settings (scripts/run_bert_tiny_cpu.sh: LANS, PolyWarmUp,
+    learning rate 0.02, bf16, ZeRO-1, global batch 64) on one rank for 40 steps, on `shards`. Returns the
+    run's checkpoint directory (DeepSpeed format, ZeRO-1 partitions: fine-tuning consolidates it on load)."""
     ds_config = helpers.write_ds_config(work / "ds.json", stage=1, bf16=True, micro=32, gas=2)
-    argv = helpers.driver_argv(pipeline_shards, work / "checkpoints", ds_config, json_summary=work / "dllogger.json",
-                               max_predictions_per_seq=20, seed=12439, learning_rate=0.02, warmup_proportion=0.1,
-                               max_steps=40, num_steps_per_checkpoint=40, log_freq=10, use_lr_scheduler=True,
-                               disable_progress_bar=True)
+    argv = helpers.driver_argv(shards, work / "checkpoints", ds_config, json_summary=work / "dllogger.json",
+                               config_file=config_file, max_predictions_per_seq=20, seed=12439, learning_rate=0.02,
+                               warmup_proportion=0.1, max_steps=40, num_steps_per_checkpoint=40, log_freq=10,
+                               use_lr_scheduler=True, disable_progress_bar=True)
     result = helpers.run_single_process(argv, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return work / "checkpoints"
+
+
+@pytest.fixture(scope="session")
+def pretrained_tiny_checkpoint(tmp_path_factory, pipeline_shards):
+    """pretrain_tiny with the demo's tiny pre-LN config on the real-text shards of `pipeline_shards`.
+    Shared by the fine-tuning tests (GLUE, weight sources, ranks)."""
+    return pretrain_tiny(tmp_path_factory.mktemp("pretrained_tiny"), pipeline_shards)
+
+
+@pytest.fixture(scope="session")
+def pretrained_tiny_post_ln(tmp_path_factory, pipeline_shards):
+    """(checkpoint directory, config file): pretrain_tiny with the tiny config in the post-LN wiring
+    (layer_norm_large_model false), for the SQuAD learning check (see tests/test_run_squad.py)."""
+    import json
+    work = tmp_path_factory.mktemp("pretrained_tiny_post_ln")
+    config = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
+    config["layer_norm_large_model"] = False
+    (work / "config.json").write_text(json.dumps(config))
+    return pretrain_tiny(work, pipeline_shards, work / "config.json"), work / "config.json"

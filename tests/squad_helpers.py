@@ -4,27 +4,19 @@ The learning task: the context is a real sentence, the question names one of its
 that word. A tiny BERT can learn to point at the named word; the shuffled variant (the answer is another
 word of the sentence, at random) cannot be learned and is the negative control.
 """
-import gzip
 import json
 import random
 import re
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BOOKS = REPO_ROOT / "data" / "sample" / "books"
+from finetune_helpers import REPO_ROOT, book_sentences  # noqa: F401  (REPO_ROOT is re-exported)
+
 TEMPLATE_WORDS = {"where", "the", "word"}  # never asked for (and "the" normalises away)
 
 
-def sample_sentences(min_words=8, max_words=30):
-    """Sentences of the sample novels (paragraphs split after . ! ?), in file order."""
-    sentences = []
-    for path in sorted(BOOKS.glob("*.txt.gz")):
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for paragraph in f.read().split("\n\n"):
-                for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):
-                    if min_words <= len(sentence.split()) <= max_words:
-                        sentences.append(sentence)
-    return sentences
+def sample_sentences():
+    """Sentences of 8 to 30 words of the sample novels, in book order."""
+    return book_sentences(min_words=8, max_words=30)
 
 
 def candidate_words(sentence):

@@ -12,11 +12,11 @@ import checkpointing
 import helpers
 import hf_interop
 import run_glue
-from finetune_helpers import REPO_ROOT, write_sst2_rule_task
+from finetune_helpers import (REPO_ROOT, TINY_CONFIG, assert_same_training, dropout_free_config,
+                              run_on_one_and_two_ranks, write_sst2_rule_task)
 from modeling import BertConfig
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
-TINY_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
 
 
 @pytest.fixture(autouse=True)
@@ -31,14 +31,6 @@ def glue_argv(data_dir, output_dir, **flags):
                "disable-progress-bar": True, "log_freq": 5}
     options.update(flags)
     return helpers.flags_to_argv(options)
-
-
-def dropout_free_config(path):
-    """The tiny config without dropout, so that runs on different rank counts draw no different masks."""
-    values = json.loads(TINY_CONFIG.read_text())
-    values.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    path.write_text(json.dumps(values))
-    return path
 
 
 def one_error_line(capsys) -> str:
@@ -158,24 +150,14 @@ def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoin
     accumulation steps (the same 16 samples per step): same losses, weights and dev predictions."""
     data = write_sst2_rule_task(tmp_path / "data", 160, 64)
     config = dropout_free_config(tmp_path / "config.json")
-    results = {}
-    for ranks in (1, 2):
-        ds_config = helpers.write_ds_config(tmp_path / f"ds{ranks}.json", stage=1, bf16=False, micro=8,
-                                            gas=2 // ranks, world=ranks)
-        out = tmp_path / f"out{ranks}"
-        argv = glue_argv(data, out, init_checkpoint=pretrained_tiny_checkpoint, config_file=config, max_steps=8,
-                         train_batch_size=None, deepspeed=True, deepspeed_config=ds_config, log_freq=1)
-        result = helpers.launch(argv, num_ranks=ranks, script="run_glue.py", timeout=400)
-        assert result.returncode == 0, result.stderr[-3000:]
-        records = helpers.read_dllogger(out / "dllogger.json")
-        results[ranks] = {"losses": [r["data"]["step_loss"] for r in records if "step_loss" in r["data"]],
-                          "weights": checkpointing.consolidated_state_dict(out / "checkpoints"),
-                          "predictions": json.loads((out / "predictions_sst-2.json").read_text())}
-    assert len(results[1]["losses"]) == 8
-    assert results[2]["losses"] == pytest.approx(results[1]["losses"], rel=1e-4, abs=1e-5)
-    for key, value in results[1]["weights"].items():
-        torch.testing.assert_close(results[2]["weights"][key], value, rtol=1e-4, atol=1e-5, msg=key)
-    assert results[2]["predictions"] == results[1]["predictions"]
+    results = run_on_one_and_two_ranks(
+        tmp_path, "run_glue.py",
+        lambda out, ds_config: glue_argv(data, out, init_checkpoint=pretrained_tiny_checkpoint, config_file=config,
+                                         max_steps=8, train_batch_size=None, deepspeed=True,
+                                         deepspeed_config=ds_config, log_freq=1),
+        lambda out: json.loads((out / "predictions_sst-2.json").read_text()))
+    assert_same_training(results, steps=8)
+    assert results[2]["outputs"] == results[1]["outputs"]
 
 
 # ============================================================================ weight sources

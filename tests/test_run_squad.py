@@ -1,14 +1,22 @@
 """run_squad.py: bad input is one error line and exit 1 before any work; a short real run writes the
 official output files and the dllogger keys."""
 import json
+import random
 
 import pytest
 
+import helpers
 import run_squad
+from finetune_helpers import (TINY_CONFIG, assert_same_training, dropout_free_config,
+                              run_on_one_and_two_ranks)
 from squad_helpers import REPO_ROOT, sample_sentences, word_questions, write_squad
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
-TINY_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
+
+
+@pytest.fixture(autouse=True)
+def cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +36,7 @@ def squad_argv(output_dir, **flags):
                "max_seq_length": 64, "max_query_length": 16, "train_batch_size": 8, "max_steps": 2,
                "learning_rate": 1e-3, "no_cuda": True, "disable-progress-bar": True}
     options.update(flags)
-    argv = []
-    for name, value in options.items():
-        if value is not False and value is not None:
-            argv += [f"--{name}"] + ([] if value is True else [str(value)])
-    return argv
+    return helpers.flags_to_argv(options)
 
 
 def one_error_line(capfd, status):
@@ -171,7 +175,6 @@ def test_launcher_stops_early_with_one_line(tmp_path, env, message):
 
 def learning_run(tmp_path, checkpoint, config, shuffled):
     sentences = sample_sentences()
-    import random
     random.Random(0).shuffle(sentences)
     train = write_squad(tmp_path / "train.json", word_questions(sentences[:2700], 3, seed=0, shuffled=shuffled))
     dev = write_squad(tmp_path / "dev.json", word_questions(sentences[-300:], 1, seed=1, id_prefix="d"))
@@ -191,3 +194,32 @@ def test_fine_tuning_learns_to_point_at_the_named_word(tmp_path, pretrained_tiny
 def test_with_shuffled_answers_the_same_run_stays_low(tmp_path, pretrained_tiny_post_ln):
     summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=True)
     assert summary["exact_match"] < 30, summary
+
+
+@pytest.mark.slow
+def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoint, squad_files):
+    """fp32, ZeRO-1, no dropout: 2 ranks x micro 8 through the real launcher against 1 rank x micro 8 x 2
+    accumulation steps (the same samples per step): same losses, weights, logits and scores."""
+    train, dev = squad_files
+    config = dropout_free_config(tmp_path / "config.json")
+
+    def argv_for(out, ds_config):
+        return squad_argv(out, init_checkpoint=pretrained_tiny_checkpoint, config_file=config, train_file=train,
+                          predict_file=dev, do_train=True, do_predict=True, do_eval=True,
+                          version_2_with_negative=True, max_steps=6, train_batch_size=None, deepspeed=True,
+                          deepspeed_config=ds_config, log_freq=1)
+
+    def outputs(out):
+        return {name: json.loads((out / name).read_text())
+                for name in ("predictions.json", "nbest_predictions.json", "null_odds.json", "eval_results.json")}
+
+    results = run_on_one_and_two_ranks(tmp_path, "run_squad.py", argv_for, outputs)
+    assert_same_training(results, steps=6)
+    one, two = results[1]["outputs"], results[2]["outputs"]
+    assert two["predictions.json"] == one["predictions.json"]
+    assert two["null_odds.json"] == pytest.approx(one["null_odds.json"], rel=1e-4, abs=1e-4)
+    assert two["eval_results.json"] == pytest.approx(one["eval_results.json"], rel=1e-4, abs=1e-4)
+    for qid, entries in one["nbest_predictions.json"].items():
+        assert [e["text"] for e in two["nbest_predictions.json"][qid]] == [e["text"] for e in entries]
+        assert [e["start_logit"] for e in two["nbest_predictions.json"][qid]] == pytest.approx(
+            [e["start_logit"] for e in entries], rel=1e-4, abs=1e-4)
