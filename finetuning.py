@@ -11,9 +11,9 @@ Interface, in the order an entry point's main() calls it:
     session = finetuning.start(args, ds_config, "run_glue")  # device, process group, seed + rank, dllogger
     model = finetuning.build_model(lambda config: BertForSequenceClassification(config, 2), config, weights,
                                    session.say)
-    summary = finetuning.train(session, model, features, loss_fn)  # DeepSpeed; resume; SIGTERM -> checkpoint
-    outputs = finetuning.predict(session, model, features, args.eval_batch_size, forward_fn)
-    session.logger.log(step=(), data={...}); session.logger.flush()
+    summary = finetuning.train_then_evaluate(session, model, features, loss_fn, evaluate)
+    #   = train(session, model, features, loss_fn)  (DeepSpeed; resume; SIGTERM -> checkpoint), then, unless
+    #     stopped, evaluate(), which calls predict(session, model, features, batch_size, forward_fn); logged
 
 - features: dict name -> tensor [N, ...] (all the same N); a batch is the same dict cut to B rows, on the
   device. loss_fn(model, batch) -> scalar loss; forward_fn(model, batch) -> tensor or tuple of tensors [B, ...].
@@ -345,6 +345,20 @@ def resume(session: Session, engine, config: BertConfig) -> int:
     client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank)
     checkpointing.restore_rng_state(rank_state["rng"])
     return int(client["global_step"])
+
+
+def train_then_evaluate(session: Session, model, train_features: dict | None, loss_fn, evaluate) -> dict:
+    """An entry point's work after start(): train() when train_features is given, then evaluate() -> dict
+    (when given) unless a stop request ended training; logs the merged summary (dllogger step ()) and
+    returns it."""
+    summary = {}
+    if train_features is not None:
+        summary.update(train(session, model, train_features, loss_fn))
+    if evaluate is not None and not summary.get("stopped_by_signal"):
+        summary.update(evaluate())
+    session.logger.log(step=(), data=summary)
+    session.logger.flush()
+    return summary
 
 
 # ============================================================================ prediction

@@ -118,14 +118,9 @@ def main(argv=None) -> dict:
     session = finetuning.start(args, ds_config, "run_glue")
     model = finetuning.build_model(lambda c: BertForSequenceClassification(c, task.num_labels), config, weights,
                                    session.say)
-    summary = {}
-    if args.do_train:
-        summary.update(finetuning.train(session, model, data["train"][1], loss_function(task)))
-    if (args.do_eval or args.do_predict) and not summary.get("stopped_by_signal"):
-        summary.update(evaluate(session, model, task, data))
-    session.logger.log(step=(), data=summary)
-    session.logger.flush()
-    return summary
+    return finetuning.train_then_evaluate(
+        session, model, data["train"][1] if args.do_train else None, loss_function(task),
+        (lambda: evaluate(session, model, task, data)) if args.do_eval or args.do_predict else None)
 
 
 def cli(argv=None) -> int:

@@ -150,14 +150,9 @@ def main(argv=None) -> dict:
     data = read_task_data(args, tokenizer, config)
     session = finetuning.start(args, ds_config, "run_squad")
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session.say)
-    summary = {}
-    if args.do_train:
-        summary.update(finetuning.train(session, model, tensors(data["train"][1], training=True), span_loss))
-    if "predict" in data and not summary.get("stopped_by_signal"):
-        summary.update(predict_and_evaluate(session, model, *data["predict"]))
-    session.logger.log(step=(), data=summary)
-    session.logger.flush()
-    return summary
+    return finetuning.train_then_evaluate(
+        session, model, tensors(data["train"][1], training=True) if "train" in data else None, span_loss,
+        (lambda: predict_and_evaluate(session, model, *data["predict"])) if "predict" in data else None)
 
 
 def cli(argv=None) -> int:
