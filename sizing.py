@@ -1,0 +1,143 @@
+"""Sizes of a BERT pretraining run, computed from the model config alone: parameters, model FLOPs per
+sequence, and the bytes each device holds under DeepSpeed (bf16 or fp32, ZeRO stage 0/1/2).
+
+Imports modeling only; nothing is allocated (parameter counts come from a model built on the meta device).
+The driver uses it for its MFU figure and its memory check, scripts/plan_memory.py prints it.
+
+Notation: Psi parameters, N data-parallel ranks, B micro-batch, S sequence length, P masked predictions
+per sequence, h hidden, I intermediate, H heads, L layers, V padded vocabulary, e bytes per model element
+(2 for bf16, 4 for fp32).
+"""
+
+import dataclasses
+
+from modeling import BertConfig, count_parameters
+
+# Bytes of the tensors autograd saves for the backward pass, per layer and micro-batch, for the layers of
+# modeling.py with PyTorch's CPU attention path (the "math" path, which keeps the S x S probabilities):
+#     e * PER_TOKEN_ELEMENTS * BSh + PER_TOKEN_FIXED_BYTES * BSh + ATTENTION_BYTES * B H S^2
+# Counted with torch.autograd.graph.saved_tensors_hooks (tests/test_sizing.py recounts them at another
+# shape, bf16 and fp32). Fused attention kernels (flash attention on GPUs, Habana's fused SDPA) keep no
+# S x S tensor, so there the estimate is on the safe side.
+PER_TOKEN_ELEMENTS = 15  # layer input, q, k, v, context, 2 LayerNorm inputs, LN output, GELU in/out (4 wide)
+PER_TOKEN_FIXED_BYTES = 12  # dropout masks and float32 statistics, whatever the model's dtype
+ATTENTION_BYTES = 12  # per attention score: float32 probabilities, dropout mask and their product
+EMBEDDING_ELEMENTS = 3.64  # embeddings, their LayerNorm and dropout, and the MLM head's masked rows, per BSh
+LOSS_BYTES_PER_LOGIT = 4  # the float32 log-softmax the MLM cross-entropy keeps, per masked row and vocab entry
+# Float32 tensors the size of one flat optimizer partition that an optimizer step creates on top of its
+# states (lans.py: the normalised gradient, the denominators and the Adam direction).
+OPTIMIZER_TEMPORARIES = {"lans": 3, "nvlamb": 3, "adamw": 2}
+MOMENT_BYTES = 8  # two float32 moments per parameter (LANS, NVLAMB and AdamW alike)
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
+
+
+def parameter_count(config: BertConfig) -> int:
+    """Parameters of BertForPreTraining (the tied decoder weight counted once)."""
+    return count_parameters(config)["total"]
+
+
+def model_flops_per_sequence(config: BertConfig, seq_len: int, max_pred: int) -> float:
+    """Matmul FLOPs of one training sequence (forward + backward = 3 x forward), MLM head on the P masked
+    rows only: the "model FLOPs" of MFU (activation recomputation is not counted)."""
+    h, inner, vocab = config.hidden_size, config.intermediate_size, config.padded_vocab_size
+    per_layer = 2 * seq_len * (4 * h * h + 2 * h * inner) + 4 * seq_len * seq_len * h  # projections + QK^T, AV
+    heads = 2 * max_pred * (h * h + h * vocab) + 2 * (h * h + 2 * h)  # MLM transform + decoder; pooler + NSP
+    return 3.0 * (config.num_hidden_layers * per_layer + heads)
+
+
+def layer_activation_bytes(config: BertConfig, micro_batch: int, seq_len: int, element_bytes: int) -> float:
+    """Bytes one encoder layer keeps for its backward pass (see the coefficients above)."""
+    tokens = micro_batch * seq_len * config.hidden_size
+    scores = micro_batch * config.num_attention_heads * seq_len * seq_len
+    return (element_bytes * PER_TOKEN_ELEMENTS + PER_TOKEN_FIXED_BYTES) * tokens + ATTENTION_BYTES * scores
+
+
+def activation_bytes(config: BertConfig, micro_batch: int, seq_len: int, max_pred: int, element_bytes: int,
+                     checkpoint_interval: int = 0) -> float:
+    """Bytes saved for backward by one micro-batch's forward, the loss included.
+
+    checkpoint_interval > 0: only each chunk's inputs are kept, and one chunk's activations exist again
+    while it is recomputed in the backward pass.
+    """
+    layers = config.num_hidden_layers
+    tokens = micro_batch * seq_len * config.hidden_size
+    masked_rows = micro_batch * max_pred
+    outside_encoder = (EMBEDDING_ELEMENTS * element_bytes * tokens
+                       + LOSS_BYTES_PER_LOGIT * masked_rows * config.padded_vocab_size)
+    per_layer = layer_activation_bytes(config, micro_batch, seq_len, element_bytes)
+    if checkpoint_interval <= 0:
+        return outside_encoder + layers * per_layer
+    chunks = -(-layers // checkpoint_interval)
+    # Each chunk keeps its input x; pre-LN also its residual stream r, which is still 0 at the first chunk.
+    chunk_inputs = chunks + (chunks - 1 if config.layer_norm_large_model else 0)
+    return outside_encoder + chunk_inputs * element_bytes * tokens + min(checkpoint_interval, layers) * per_layer
+
+
+@dataclasses.dataclass
+class Run:
+    """What besides the model config decides the memory of one device."""
+    micro_batch: int
+    seq_len: int
+    max_pred: int
+    world_size: int = 1
+    zero_stage: int = 1
+    bf16: bool = True
+    checkpoint_interval: int = 0  # 0: activation checkpointing off
+    optimizer: str = "lans"
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    contiguous_gradients: bool = True
+    overlap_comm: bool = False
+
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: dict, world_size: int, seq_len: int, max_pred: int,
+                              checkpoint_interval: int = 0, optimizer: str = "lans") -> "Run":
+        zero = ds_config.get("zero_optimization", {}) or {}
+        return cls(micro_batch=int(ds_config["train_micro_batch_size_per_gpu"]), seq_len=seq_len,
+                   max_pred=max_pred, world_size=world_size, zero_stage=int(zero.get("stage", 0)),
+                   bf16=bool((ds_config.get("bf16") or {}).get("enabled", False)),
+                   checkpoint_interval=checkpoint_interval, optimizer=optimizer,
+                   reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)),
+                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+                   overlap_comm=bool(zero.get("overlap_comm", False)))
+
+
+def device_memory(config: BertConfig, run: Run) -> dict:
+    """Predicted bytes per device, by part, and the peak ("total").
+
+    Held all the time: the model's weights (bf16, or fp32 without bf16), the fp32 master weights (bf16
+    only) and the two fp32 moments, both split over the N ranks under ZeRO-1/2 (DeepSpeed 0.19's bf16
+    ZeRO-0 keeps them whole on every rank), and ZeRO-1/2's gradient-reduction bucket ("buffers").
+    The peak is the larger of two moments of a step:
+    - backward of the MLM head: the saved activations, the float32 logits' gradient and the (tied) word
+      embedding's gradient;
+    - the optimizer step: the model-dtype gradients (ZeRO-2: this rank's partition), DeepSpeed's fp32 copy
+      of this rank's gradient partition, and the optimizer's temporaries.
+    """
+    if run.zero_stage not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage {run.zero_stage}: the planner knows stages 0, 1 and 2")
+    if run.optimizer not in OPTIMIZER_TEMPORARIES:
+        raise ValueError(f"optimizer {run.optimizer!r}: the planner knows {sorted(OPTIMIZER_TEMPORARIES)}")
+    params = parameter_count(config)
+    element = 2 if run.bf16 else 4
+    shards = run.world_size if run.zero_stage >= 1 else 1
+    partition = params / shards
+    parts = {"parameters": element * params,
+             "master_weights": 4 * partition if run.bf16 else 0,
+             "optimizer_states": MOMENT_BYTES * partition}
+    parts["buffers"] = 0
+    if run.zero_stage >= 1 and run.contiguous_gradients:
+        parts["buffers"] = element * run.reduce_bucket_size * (2 if run.overlap_comm else 1)
+    parts["activations"] = activation_bytes(config, run.micro_batch, run.seq_len, run.max_pred, element,
+                                            run.checkpoint_interval)
+    masked_rows = run.micro_batch * run.max_pred
+    head_backward = (parts["activations"] + (element + LOSS_BYTES_PER_LOGIT) * masked_rows * config.padded_vocab_size
+                     + element * config.padded_vocab_size * config.hidden_size)
+    gradients = element * (partition if run.zero_stage == 2 else params)
+    fp32_gradients = 4 * partition if (run.bf16 or run.zero_stage >= 1) else 0
+    optimizer_step = gradients + fp32_gradients + OPTIMIZER_TEMPORARIES[run.optimizer] * 4 * partition
+    parts["gradients"] = gradients
+    parts["peak_transient"] = max(head_backward, optimizer_step)
+    parts["peak_moment"] = "backward (MLM head)" if head_backward >= optimizer_step else "optimizer step"
+    parts["total"] = (parts["parameters"] + parts["master_weights"] + parts["optimizer_states"]
+                      + parts["buffers"] + parts["peak_transient"])
+    return parts

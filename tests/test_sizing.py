@@ -1,0 +1,117 @@
+"""sizing.py against independent counts: FLOPs against anchors.md's hand-derived table, saved activations
+against autograd's own saved-tensor hooks, and per-device memory against the peak of allocated tensor bytes
+measured by the torch profiler in real driver runs (1 and 2 ranks, ZeRO 0/1/2)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import helpers
+import sizing
+from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
+
+SCRIPTS = helpers.REPO_ROOT / "scripts"
+
+
+@pytest.mark.parametrize("config_name,seq_len,max_pred,tflop", [
+    ("bert_1.5b_config.json", 128, 20, 1.1537), ("bert_1.5b_config.json", 512, 80, 4.796),
+    ("bert_large_config.json", 128, 20, 0.2406), ("bert_large_config.json", 512, 80, 1.0205)])
+def test_model_flops_match_the_anchor_table(config_name, seq_len, max_pred, tflop):
+    """anchors.md section 1.3 (computed there from the formula of section 1.2, by hand)."""
+    config = BertConfig.from_json_file(SCRIPTS / config_name)
+    assert sizing.model_flops_per_sequence(config, seq_len, max_pred) / 1e12 == pytest.approx(tflop, abs=6e-4)
+
+
+def saved_tensor_bytes(config, micro_batch, seq_len, max_pred, dtype, checkpoint_interval=0):
+    """Bytes of the distinct storages autograd saves in one forward + loss (parameters excluded)."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).to(dtype).train()
+    if checkpoint_interval:
+        model.checkpoint_activations(True, checkpoint_interval)
+    input_ids = torch.randint(1, config.vocab_size, (micro_batch, seq_len))
+    labels = torch.full_like(input_ids, -1)
+    labels[:, 1:max_pred + 1] = input_ids[:, 1:max_pred + 1]
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        scores, nsp = model(input_ids, torch.zeros_like(input_ids), torch.ones_like(input_ids),
+                            masked_lm_labels=labels)
+        BertPretrainingCriterion()(scores, nsp, labels, torch.zeros(micro_batch, dtype=torch.long))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in storages.items() if pointer not in weights)
+
+
+@pytest.mark.parametrize("dtype,pre_ln,interval", [(torch.bfloat16, True, 0), (torch.float32, True, 0),
+                                                   (torch.bfloat16, False, 0), (torch.bfloat16, True, 1)])
+def test_activation_bytes_match_autograds_saved_tensors(dtype, pre_ln, interval):
+    """A shape unlike the one the coefficients were counted at (h 192, 3 heads, S 96, 3 layers)."""
+    config = BertConfig(vocab_size=4000, hidden_size=192, num_hidden_layers=3, num_attention_heads=3,
+                        intermediate_size=768, layer_norm_large_model=pre_ln)
+    measured = saved_tensor_bytes(config, 4, 96, 14, dtype, interval)
+    element = torch.finfo(dtype).bits // 8
+    predicted = sizing.activation_bytes(config, 4, 96, 14, element, checkpoint_interval=interval)
+    if interval:  # only the chunk inputs are saved in forward; the recomputed chunk is live in backward only
+        predicted -= sizing.layer_activation_bytes(config, 4, 96, element)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_zero_partitions_the_optimizer_states_and_not_the_weights():
+    config = BertConfig.from_json_file(SCRIPTS / "bert_1.5b_config.json")
+    psi = sizing.parameter_count(config)
+    one = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=1, zero_stage=1))
+    many = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=8, zero_stage=1))
+    assert one["parameters"] == many["parameters"] == 2 * psi
+    assert many["optimizer_states"] == pytest.approx(one["optimizer_states"] / 8)
+    assert many["master_weights"] == pytest.approx(4 * psi / 8)
+    stage2 = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=8, zero_stage=2))
+    assert stage2["gradients"] == pytest.approx(2 * psi / 8)
+    with pytest.raises(ValueError, match="stage 3"):
+        sizing.device_memory(config, sizing.Run(32, 128, 20, zero_stage=3))
+
+
+# Model states and activations both weigh: ~11 M parameters (14 bytes each with bf16 + fp32 master + two
+# moments), and 4 layers of micro-batch 8 x 128.
+MEASURED_MODEL = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      intermediate_size=1024, layer_norm_large_model=True)
+BUCKET = 5_000_000  # a small reduction bucket, so that it does not hide the rest (the default is 5e8)
+
+
+def measured_peaks(tmp_path, stage, world, checkpoint, bucket):
+    """Per-rank peak tensor bytes of a 3-step driver run (tests/memory_peak_worker.py)."""
+    helpers.write_synthetic_shards(tmp_path / "shards", [64], seq_len=128, max_pred=20)
+    (tmp_path / "model.json").write_text(json.dumps(MEASURED_MODEL))
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=stage, bf16=True, micro=8, world=world,
+                                        zero_optimization={"stage": stage, "reduce_bucket_size": bucket})
+    argv = helpers.driver_argv(tmp_path / "shards", tmp_path / "out", ds_config, config_file=tmp_path / "model.json",
+                               max_steps=3, skip_checkpoint=True, checkpoint_activations=checkpoint)
+    env = helpers.launcher_env(MEMORY_PEAK_DIR=str(tmp_path))
+    worker = "tests/memory_peak_worker.py"
+    if world == 1:
+        result = subprocess.run([sys.executable, worker, *map(str, argv)], cwd=helpers.REPO_ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+    else:
+        result = helpers.launch(argv, num_ranks=world, env=env, script=worker)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"peak_{rank}.json").read_text())["peak_bytes"] for rank in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,world,checkpoint,bucket", [
+    (1, 1, False, sizing.DEFAULT_REDUCE_BUCKET_SIZE), (1, 1, True, BUCKET),
+    (0, 2, False, BUCKET), (1, 2, False, BUCKET), (2, 2, False, BUCKET)])
+def test_planner_matches_measured_peak_memory(tmp_path, stage, world, checkpoint, bucket):
+    """Measured (MiB, peak over ranks): 1205 (ZeRO-1, 1 rank, default bucket), 338 (ZeRO-1 with
+    activation checkpointing), 353 (ZeRO-0, 2 ranks), 226 (ZeRO-1, 2 ranks), 241 (ZeRO-2, 2 ranks)."""
+    run = sizing.Run(micro_batch=8, seq_len=128, max_pred=20, world_size=world, zero_stage=stage,
+                     checkpoint_interval=1 if checkpoint else 0, reduce_bucket_size=bucket)
+    predicted = sizing.device_memory(BertConfig(**MEASURED_MODEL), run)["total"]
+    for peak in measured_peaks(tmp_path, stage, world, checkpoint, bucket):
+        assert predicted == pytest.approx(peak, rel=0.15), (predicted / 2**20, peak / 2**20)
