@@ -141,3 +141,13 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     parts["total"] = (parts["parameters"] + parts["master_weights"] + parts["optimizer_states"]
                       + parts["buffers"] + parts["peak_transient"])
     return parts
+
+
+# Memory of one device in GiB (vendor datasheets), and the share of it a plan may use: the rest is left to
+# the runtime and communication libraries and to the allocator's fragmentation.
+DEVICE_MEMORY_GIB = {"Gaudi (32 GB)": 32, "Gaudi2 (96 GB)": 96, "H100 (80 GB)": 80}
+USABLE_FRACTION = 0.9
+
+
+def fits(total_bytes: float, device_gib: float) -> bool:
+    return total_bytes <= USABLE_FRACTION * device_gib * 2**30

@@ -1,0 +1,74 @@
+"""Predict the memory each device needs for a pretraining run, by part, and whether it fits a 32 GB
+Gaudi, a 96 GB Gaudi2 and an 80 GB H100 (sizing.py does the arithmetic; README "Memory planner").
+
+    python scripts/plan_memory.py --config scripts/bert_1.5b_config.json \
+        --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --world_size 8
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import sizing  # noqa: E402
+from modeling import BertConfig  # noqa: E402
+
+PARTS = (("parameters", "model weights (bf16, or fp32 without bf16)"),
+         ("master_weights", "fp32 master weights (bf16 only; split under ZeRO-1/2)"),
+         ("optimizer_states", "optimizer moments, fp32 (split under ZeRO-1/2)"),
+         ("buffers", "ZeRO-1/2 gradient-reduction bucket"),
+         ("activations", "activations kept for backward (one micro-batch)"),
+         ("peak_transient", "peak on top of the above"))
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="model config JSON")
+    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON (micro-batch, bf16, ZeRO)")
+    parser.add_argument("--world_size", type=int, required=True, help="data-parallel ranks (devices)")
+    parser.add_argument("--max_seq_length", type=int, default=128)
+    parser.add_argument("--max_predictions_per_seq", type=int, default=20)
+    parser.add_argument("--checkpoint_activations", action="store_true")
+    parser.add_argument("--checkpoint_activations_interval", type=int, default=1)
+    parser.add_argument("--optimizer", default="lans", choices=sorted(sizing.OPTIMIZER_TEMPORARIES))
+    return parser.parse_args(argv)
+
+
+def plan(args) -> tuple:
+    """(model config, sizing.Run, device_memory parts); ValueError/OSError on bad input."""
+    config = BertConfig.from_json_file(args.config)
+    ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    if "train_micro_batch_size_per_gpu" not in ds_config:
+        raise ValueError(f"{args.deepspeed_config}: train_micro_batch_size_per_gpu is not set")
+    for name in ("world_size", "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    run = sizing.Run.from_deepspeed_config(
+        ds_config, args.world_size, args.max_seq_length, args.max_predictions_per_seq,
+        args.checkpoint_activations_interval if args.checkpoint_activations else 0, args.optimizer)
+    return config, run, sizing.device_memory(config, run)
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
+    try:
+        config, run, parts = plan(args)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.config}: {sizing.parameter_count(config):,d} parameters; micro-batch {run.micro_batch} x "
+          f"{run.seq_len}, {run.max_pred} predictions; {'bf16' if run.bf16 else 'fp32'}, ZeRO-{run.zero_stage}, "
+          f"{run.world_size} ranks, activation checkpointing "
+          f"{'every ' + str(run.checkpoint_interval) + ' layer(s)' if run.checkpoint_interval else 'off'}")
+    for key, text in PARTS:
+        print(f"  {parts[key] / 2**30:>9.2f} GiB  {text}")
+    print(f"  {parts['total'] / 2**30:>9.2f} GiB  per device at the peak ({parts['peak_moment']})")
+    for device, gib in sizing.DEVICE_MEMORY_GIB.items():
+        verdict = "fits" if sizing.fits(parts["total"], gib) else "does NOT fit"
+        print(f"  {device:<15} {verdict} (at most {sizing.USABLE_FRACTION:.0%} of {gib} GiB planned)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
