@@ -184,3 +184,32 @@ def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_ch
         for key, value in reference.items():  # hf_interop exports no vocabulary padding rows
             rows = config.vocab_size if key in hf_interop.PADDED_ROWS + hf_interop.PADDED_BIAS else None
             torch.testing.assert_close(weights[key][:rows], value[:rows], rtol=0, atol=0, msg=f"{name}: {key}")
+
+
+# ============================================================================ ZeRO stages, bf16, evaluation later
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_bf16_with_each_zero_stage_trains_and_saves(tmp_path, stage):
+    data = write_sst2_rule_task(tmp_path / "data", 64, 16)
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=stage, bf16=True, micro=8, gas=2)
+    summary = run_glue.main(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, max_steps=3, max_seq_length=32,
+                                      train_batch_size=None, deepspeed=True, deepspeed_config=ds_config))
+    assert summary["global_step"] == 3 and 0 < summary["final_loss"] < 5 and 0 <= summary["acc"] <= 1
+    weights = checkpointing.consolidated_state_dict(tmp_path / "out" / "checkpoints")
+    assert weights["classifier.weight"].shape == (2, 128) and weights["classifier.weight"].dtype == torch.float32
+
+
+def test_a_fine_tuned_checkpoint_evaluates_and_predicts_later(tmp_path):
+    """--do_eval/--do_predict without --do_train from <output_dir>/checkpoints: the classifier comes along
+    (the same dev predictions as at the end of training); the test set gets GLUE's submission format."""
+    data = write_sst2_rule_task(tmp_path / "data", 64, 16)
+    (data / "test.tsv").write_text("index\tsentence\n" + "".join(
+        f"{i}\t{line.split(chr(9))[0]}\n" for i, line in enumerate((data / "dev.tsv").read_text().splitlines()[1:])))
+    run_glue.main(glue_argv(data, tmp_path / "train", config_file=TINY_CONFIG, max_steps=4, max_seq_length=32))
+    run_glue.main(glue_argv(data, tmp_path / "later", init_checkpoint=tmp_path / "train" / "checkpoints",
+                            do_train=False, do_predict=True, max_seq_length=32))
+    at_training = json.loads((tmp_path / "train" / "predictions_sst-2.json").read_text())
+    assert json.loads((tmp_path / "later" / "predictions_sst-2.json").read_text()) == at_training
+    rows = (tmp_path / "later" / "test_results_sst-2.tsv").read_text().splitlines()
+    assert rows[0] == "index\tprediction" and len(rows) == 17
+    assert [row.split("\t")[1] for row in rows[1:]] == list(at_training.values())
