@@ -16,7 +16,8 @@ Interface, in the order an entry point's main() calls it:
     #     stopped, evaluate(), which calls predict(session, model, features, batch_size, forward_fn); logged
 
 - features: dict name -> tensor [N, ...] (all the same N); a batch is the same dict cut to B rows, on the
-  device. loss_fn(model, batch) -> scalar loss; forward_fn(model, batch) -> tensor or tuple of tensors [B, ...].
+  device. loss_fn(engine, batch) -> scalar loss (the DeepSpeed engine, called like the model);
+  forward_fn(model, batch) -> tensor or tuple of tensors [B, ...] (called under torch.no_grad, eval mode).
 - train() mutates `model` (the engine's module) and returns {"e2e_train_time", "training_sequences_per_second",
   "final_loss", "global_step", "stopped_by_signal"}; "stopped_by_signal": the run saved a checkpoint in
   <output_dir>/checkpoints on SIGTERM/SIGINT and a rerun with --resume_from_checkpoint continues it exactly.

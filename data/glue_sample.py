@@ -5,7 +5,7 @@ The rule: label 1 when a sentence has the word "her", else 0 (half of each), in 
 sentence, label). A tiny pretrained model learns it in a minute on a CPU, so the whole path pretrain ->
 fine-tune -> evaluate can be tried without downloading GLUE. The dev set shares no sentence with train.
 
-    python data/glue_sample.py --output_dir results/glue_sample [--train 1200 --dev 400]
+    python data/glue_sample.py --output_dir results/glue_sample [--train 2200 --dev 400]
 """
 
 import argparse
@@ -66,7 +66,7 @@ def write_sst2_rule_task(directory, n_train: int, n_dev: int, shuffle_train_labe
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Write the sample 'her' task in SST-2's TSV layout.")
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--train", type=int, default=1200, help="training examples")
+    parser.add_argument("--train", type=int, default=2200, help="training examples")
     parser.add_argument("--dev", type=int, default=400, help="dev examples")
     args = parser.parse_args(argv)
     try:

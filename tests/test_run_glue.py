@@ -83,8 +83,8 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
 # ============================================================================ learning check
 
 def fine_tune(tmp_path, checkpoint, shuffle_train_labels=False):
-    data = write_sst2_rule_task(tmp_path / "data", 1200, 400, shuffle_train_labels=shuffle_train_labels)
-    summary = run_glue.main(glue_argv(data, tmp_path / "out", init_checkpoint=checkpoint, num_train_epochs=2,
+    data = write_sst2_rule_task(tmp_path / "data", 2200, 400, shuffle_train_labels=shuffle_train_labels)
+    summary = run_glue.main(glue_argv(data, tmp_path / "out", init_checkpoint=checkpoint, num_train_epochs=3,
                                       train_batch_size=32, skip_checkpoint=True))
     return summary, json.loads((tmp_path / "out" / "eval_results.json").read_text())["sst-2"]["acc"]
 
