@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 import checkpointing
+import hardware
 import runtime
+import sizing
 import storage
 from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--skip_bad_shards", action="store_true", help="Skip (and count) a shard that fails to read mid-epoch instead of stopping.")
     add("--init_checkpoint", default=None, help="Start from these weights (checkpoint tag dir or state-dict file) with a fresh optimizer.")
     add("--data_memory_budget_mb", type=float, default=256, help="Memory per rank for the data window being read.")
+    add("--peak_tflops", type=float, default=None, help="Matmul peak of one device for the logged MFU, TFLOP/s "
+        "(default: the datasheet bf16 figure of a known Gaudi/NVIDIA device, else measured at start-up).")
+    add("--skip_memory_check", action="store_true", help="Train even when the memory planner (sizing.py) predicts "
+        "that the run does not fit the device.")
     add("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded from an s3:// "
         "--input_dir (one subdirectory per rank) and for checkpoints on their way to an s3:// --output_dir.")
     add("--s3_cache_gb", type=float, default=50, help="Bound of each rank's S3 shard cache, GiB (at least the "
@@ -141,6 +147,8 @@ def validate_args(args, world_size: int) -> tuple:
             raise InputError(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if not args.data_memory_budget_mb > 0:
         raise InputError(f"--data_memory_budget_mb must be positive, got {args.data_memory_budget_mb}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise InputError(f"--peak_tflops must be positive, got {args.peak_tflops}")
     try:
         copies = open_s3_output(args) if storage.is_s3_url(args.output_dir) else None
     except storage.StorageError as err:
@@ -417,11 +425,14 @@ class Run:
     data_layout: dict
     checkpoint_dir: Path  # where checkpoints are written: --output_dir, or the staging dir of an s3:// one
     copies: object        # checkpointing.CheckpointUploader for an s3:// --output_dir, else None
+    flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
+    peak_tflops: float         # one device's matmul peak, the denominator of MFU
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
     """One dllogger record, computed as the reference computes it; returns the record."""
     step_time = (time.perf_counter() - window.started) / max(window.steps, 1)
+    model_tflops = run.micro_batch * run.gas / step_time * run.flops_per_sequence / 1e12  # per device
     record = {"average_loss": mean_or_nan(window.local_losses),
               "all_ranks_average_loss": mean_or_nan(window.all_rank_losses),
               "step_loss": window.last_micro_loss,
@@ -429,12 +440,14 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
               "average_training_time_step": step_time,
               "average_perf_per_step": run.micro_batch * run.gas / step_time,
               "tokens_per_second": run.micro_batch * run.gas * run.world * run.seq_len / step_time,
+              "model_tflops": model_tflops, "mfu": model_tflops / run.peak_tflops,
               "skipped_steps": state.bad_steps}
     if run.engine.monitor.enabled and not final:  # TensorBoard / CSV / W&B, as the DeepSpeed JSON asks
         run.engine.monitor.write_events([(f"Train/{key}", value, state.global_step) for key, value in record.items()])
     if final:
         record = {"final_loss": record["all_ranks_average_loss"],
-                  "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"]}
+                  "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"],
+                  "model_tflops": model_tflops, "mfu": record["mfu"]}
     run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step), data=record)
     return record
 
@@ -573,6 +586,11 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     log_parameters(logger, args, ds_config)
+    check_memory(args, device, ds_config, model_config, data, world, say)
+    peak, peak_source = hardware.peak_tflops(device, torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32,
+                                             args.peak_tflops)
+    say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
+    logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
     data_layout = describe_data_layout(args, data, window_size)
@@ -588,7 +606,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
     run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
-              data.seq_len, model_config, say, reader.stream.epoch_size, data_layout, checkpoint_dir, copies)
+              data.seq_len, model_config, say, reader.stream.epoch_size, data_layout, checkpoint_dir, copies,
+              sizing.model_flops_per_sequence(model_config, data.seq_len, data.max_pred), peak)
     first_step = state.global_step
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
@@ -602,13 +621,39 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
         copies.finish(device)  # the last checkpoint is on S3 before the run reports success
     raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
+    model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
     summary = {"e2e_train_time": time.perf_counter() - started, "training_sequences_per_second": sequences / raw_train_time,
+               "model_tflops": model_tflops, "mfu": model_tflops / peak,
                "training_tokens_per_second": sequences * data.seq_len / raw_train_time, "raw_train_time": raw_train_time,
                "final_loss": final["final_loss"], "global_step": state.global_step, "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
     logger.log(step=(), data=summary)
     logger.flush()
     return summary
+
+
+def check_memory(args, device, ds_config: dict, model_config: BertConfig, data: DataInfo, world: int, say) -> None:
+    """Refuse, before the model is built, a run the memory planner says cannot fit this device."""
+    run = sizing.Run.from_deepspeed_config(
+        ds_config, world, data.seq_len, data.max_pred,
+        args.checkpoint_activations_interval if args.checkpoint_activations else 0,
+        # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
+        args.optimizer if args.optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans")
+    predicted = sizing.device_memory(model_config, run)["total"]
+    available, description = hardware.device_memory_bytes(device)
+    if available is None:
+        say(f"memory check skipped: the memory of {description} is unknown")
+        return
+    usable = sizing.USABLE_FRACTION * available
+    if predicted <= usable:
+        return
+    message = (f"the memory planner predicts {predicted / 2**30:.2f} GiB per device at the peak, more than "
+               f"{sizing.USABLE_FRACTION:.0%} of {available / 2**30:.1f} GiB ({description}); lower "
+               "train_micro_batch_size_per_gpu, add --checkpoint_activations, or use more ranks or a higher "
+               "ZeRO stage (scripts/plan_memory.py shows the parts)")
+    if not args.skip_memory_check:
+        raise InputError(message + "; --skip_memory_check trains anyway")
+    say(f"warning: {message}; training anyway (--skip_memory_check)")
 
 
 def nothing_to_train(args, state: TrainState, logger, say, elapsed: float) -> dict:

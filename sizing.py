@@ -26,7 +26,7 @@ EMBEDDING_ELEMENTS = 3.64  # embeddings, their LayerNorm and dropout, and the ML
 LOSS_BYTES_PER_LOGIT = 4  # the float32 log-softmax the MLM cross-entropy keeps, per masked row and vocab entry
 # Float32 tensors the size of one flat optimizer partition that an optimizer step creates on top of its
 # states (lans.py: the normalised gradient, the denominators and the Adam direction).
-OPTIMIZER_TEMPORARIES = {"lans": 3, "nvlamb": 3, "adamw": 2}
+OPTIMIZER_TEMPORARIES = {"lans": 3, "nvlamb": 3, "adam": 2, "adamw": 2}
 MOMENT_BYTES = 8  # two float32 moments per parameter (LANS, NVLAMB and AdamW alike)
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
 
@@ -73,6 +73,10 @@ def activation_bytes(config: BertConfig, micro_batch: int, seq_len: int, max_pre
     return outside_encoder + chunk_inputs * element_bytes * tokens + min(checkpoint_interval, layers) * per_layer
 
 
+def bf16_enabled(ds_config: dict) -> bool:
+    return bool((ds_config.get("bf16") or {}).get("enabled", False))
+
+
 @dataclasses.dataclass
 class Run:
     """What besides the model config decides the memory of one device."""
@@ -94,7 +98,7 @@ class Run:
         zero = ds_config.get("zero_optimization", {}) or {}
         return cls(micro_batch=int(ds_config["train_micro_batch_size_per_gpu"]), seq_len=seq_len,
                    max_pred=max_pred, world_size=world_size, zero_stage=int(zero.get("stage", 0)),
-                   bf16=bool((ds_config.get("bf16") or {}).get("enabled", False)),
+                   bf16=bf16_enabled(ds_config),
                    checkpoint_interval=checkpoint_interval, optimizer=optimizer,
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)),
                    contiguous_gradients=bool(zero.get("contiguous_gradients", True)),

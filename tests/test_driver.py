@@ -25,10 +25,10 @@ from hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
-             "tokens_per_second", "all_ranks_average_loss", "skipped_steps"}
-FINAL_KEYS = {"final_loss", "average_training_time_step", "average_perf_per_step"}
+             "tokens_per_second", "all_ranks_average_loss", "skipped_steps", "model_tflops", "mfu"}
+FINAL_KEYS = {"final_loss", "average_training_time_step", "average_perf_per_step", "model_tflops", "mfu"}
 SUMMARY_KEYS = {"e2e_train_time", "training_sequences_per_second", "raw_train_time", "final_loss",
-                "training_tokens_per_second"}
+                "training_tokens_per_second", "model_tflops", "mfu"}
 PARAMETER_KEYS = {"Config", "SEED", "train_start", "batch_size_per_pu", "learning_rate"}
 
 
@@ -458,6 +458,7 @@ def test_deepspeed_monitor_receives_the_logged_metrics(tmp_path, tiny_shards):
         "enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"})
     rp.main(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=2, log_freq=1,
                                 skip_checkpoint=True))
+    assert next((tmp_path / "csv").rglob("*mfu*")) and next((tmp_path / "csv").rglob("*model_tflops*"))
     loss_file = next((tmp_path / "csv").rglob("*average_loss*"))
     logged = [r["data"]["average_loss"] for r in helpers.step_records(tmp_path / "dllogger.json")]
     rows = [line.split(",") for line in loss_file.read_text().splitlines()[1:]]
@@ -739,3 +740,51 @@ def test_a_fresh_run_replaces_the_dllogger_json(tmp_path, tiny_shards):
     (tmp_path / "dllogger.json").write_text("DLLL {\"type\": \"LOG\", \"step\": [0, 7], \"data\": {\"step_loss\": 1}}\n")
     run(tmp_path, tiny_shards, stage=0, bf16=False, log_freq=1, max_steps=2, skip_checkpoint=True)
     assert [r["step"][1] for r in helpers.step_records(tmp_path / "dllogger.json")] == [1, 2]
+
+
+# ============================================================================ MFU and the memory check
+
+# The tiny model's training FLOPs per sequence at seq 32 with 5 predictions, by the formula of anchors.md
+# section 1.2 written out: 3 x (L S 24 h^2 + L S 4 S h + 2 P (h^2 + h V) + 2 (h^2 + 2h)); h 128, L 2, V 30528.
+TINY_FLOPS_PER_SEQUENCE = 3 * (2 * 32 * 24 * 128**2 + 2 * 32 * 4 * 32 * 128 + 2 * 5 * (128**2 + 128 * 30528)
+                               + 2 * (128**2 + 2 * 128))
+
+
+def test_model_tflops_and_mfu_are_logged_with_the_given_peak(tmp_path, tiny_shards):
+    summary, json_summary, _ = run(tmp_path, tiny_shards, micro=4, gas=2, max_steps=2, log_freq=1,
+                                   skip_checkpoint=True, peak_tflops=0.5)
+    logs = [r for r in helpers.read_dllogger(json_summary) if r["type"] == "LOG"]
+    assert {"peak_tflops": 0.5, "peak_tflops_source": "--peak_tflops"}.items() <= next(
+        r["data"] for r in logs if r["step"] == "PARAMETER" and "peak_tflops" in r["data"]).items()
+    for record in helpers.step_records(json_summary):
+        data = record["data"]
+        assert data["model_tflops"] == pytest.approx(data["average_perf_per_step"] * TINY_FLOPS_PER_SEQUENCE / 1e12)
+        assert data["mfu"] == pytest.approx(data["model_tflops"] / 0.5)
+    assert summary["model_tflops"] == pytest.approx(
+        summary["training_sequences_per_second"] * TINY_FLOPS_PER_SEQUENCE / 1e12)
+    assert summary["mfu"] == pytest.approx(summary["model_tflops"] / 0.5)
+
+
+def test_cpu_peak_is_measured_and_said_so(tmp_path, tiny_shards, capsys):
+    run(tmp_path, tiny_shards, max_steps=1, skip_checkpoint=True)
+    parameter = next(r["data"] for r in helpers.read_dllogger(tmp_path / "dllogger.json")
+                     if r["step"] == "PARAMETER" and "peak_tflops" in r["data"])
+    assert parameter["peak_tflops"] > 0 and parameter["peak_tflops_source"].startswith("measured at start-up")
+    assert "MFU is model FLOPs / " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_run_predicted_not_to_fit_is_refused_before_any_step(tmp_path, tiny_shards, capsys, monkeypatch, skip):
+    """The tiny run with ZeRO-1's default 5e8-element bucket needs about 1.1 GiB; the 'device' has 512 MiB."""
+    monkeypatch.setattr(rp.hardware, "device_memory_bytes", lambda device: (512 * 2**20, "a 512 MiB test device"))
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4)
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=1, skip_checkpoint=True,
+                               skip_memory_check=skip)
+    if not skip:
+        assert rp.cli(argv) == 1
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "the memory planner predicts" in errors[0] and "512 MiB test device" in errors[0]
+        assert not helpers.step_records(tmp_path / "dllogger.json")
+    else:
+        assert rp.main(argv)["global_step"] == 1
+        assert "training anyway (--skip_memory_check)" in capsys.readouterr().out

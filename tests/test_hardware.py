@@ -1,0 +1,36 @@
+"""hardware.py: the datasheet table by device name, the measured CPU matmul peak, the CPU memory share."""
+
+import time
+
+import pytest
+import torch
+
+import hardware
+
+
+@pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),
+                                         ("NVIDIA A100-SXM4-80GB", 312.0), ("GAUDI", 60.0), ("GAUDI2", 432.0),
+                                         ("Gaudi 3", 1835.0), ("Tesla V100-SXM2-32GB", None), ("cpu", None)])
+def test_datasheet_peak_by_device_name(name, tflops):
+    assert hardware.datasheet_tflops(name) == tflops
+
+
+def test_cpu_peak_is_measured_and_close_to_a_separately_timed_product():
+    """The measured figure is the best of its repeats: at least the rate of one product timed here."""
+    cpu = torch.device("cpu")
+    tflops, source = hardware.peak_tflops(cpu, torch.float32)
+    assert source.startswith("measured at start-up") and tflops > 0
+    left, right = torch.randn(256, 512), torch.randn(512, 1024)
+    start = time.perf_counter()
+    torch.matmul(left, right)
+    once = 2 * 256 * 512 * 1024 / (time.perf_counter() - start) / 1e12
+    assert hardware.measure_matmul_tflops(cpu, torch.float32, 0.2, (256, 512, 1024)) >= 0.5 * once
+    assert hardware.peak_tflops(cpu, torch.bfloat16, override=123.0) == (123.0, "--peak_tflops")
+
+
+def test_cpu_memory_is_shared_by_the_local_ranks(monkeypatch):
+    monkeypatch.setenv("LOCAL_SIZE", "1")
+    whole, _ = hardware.device_memory_bytes(torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    quarter, description = hardware.device_memory_bytes(torch.device("cpu"))
+    assert quarter == pytest.approx(whole / 4) and "4 local rank(s)" in description
