@@ -176,11 +176,11 @@ def test_launcher_stops_early_with_one_line(tmp_path, env, message):
 def learning_run(tmp_path, checkpoint, config, shuffled):
     sentences = sample_sentences()
     random.Random(0).shuffle(sentences)
-    train = write_squad(tmp_path / "train.json", word_questions(sentences[:4000], 3, seed=0, shuffled=shuffled))
+    train = write_squad(tmp_path / "train.json", word_questions(sentences[:3334], 3, seed=0, shuffled=shuffled))
     dev = write_squad(tmp_path / "dev.json", word_questions(sentences[-300:], 1, seed=1, id_prefix="d"))
     return run_squad.main(squad_argv(tmp_path / "out", init_checkpoint=checkpoint, config_file=config,
                                      train_file=train, predict_file=dev, do_train=True, do_predict=True,
-                                     do_eval=True, train_batch_size=32, max_steps=None, num_train_epochs=2,
+                                     do_eval=True, train_batch_size=32, max_steps=None, num_train_epochs=3,
                                      learning_rate=2e-3, skip_checkpoint=True))
 
 
