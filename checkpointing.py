@@ -16,6 +16,10 @@ after a barrier that follows every rank's writes, and ``latest`` is replaced onl
 Both are written to a temporary name and renamed (``os.replace`` is atomic on POSIX), so a kill at any
 moment leaves ``latest`` naming a complete checkpoint, or leaves the previous ``latest`` untouched.
 
+S3: with an s3:// output directory, checkpoints are written locally as above and then copied by
+CheckpointUploader (files, manifest, then `latest`: the order is the commit there); resume and export
+fetch the checkpoint they need (see the section "copies on S3").
+
 Export for fine-tuning: consolidated_state_dict(output_dir, tag) gives the fp32 module weights
 (ZeRO-1/2: re-assembled from the per-rank optimizer partitions); from the shell:
 ``python checkpointing.py export --output_dir D [--tag T] --out model.pt`` (D may be s3://bucket/prefix).

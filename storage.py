@@ -441,11 +441,11 @@ class ShardCache:
         """Under the lock: make room (waiting for other downloads if that is the only way) and submit."""
         size = self.objects[url].size
         while not self._make_room(size, keep):
-            if not required or not self._pending:
-                if required:
-                    self.check_capacity([url])
+            if not required:
                 return None
-            self._lock.wait()
+            if not self._pending:  # nothing else holds room: the object alone is too large
+                self.check_capacity([url])
+            self._lock.wait()  # for a download under way to finish and become evictable
         self._pending[url] = self._pool.submit(self._download, url)
         return self._pending[url]
 
