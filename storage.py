@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 S3_SCHEME = "s3://"
 DEFAULT_MAX_ATTEMPTS = 8
 TRANSFER_CHUNK = 64 << 20  # multipart part size of uploads
-DOWNLOAD_RANGE = 16 << 20  # downloads: ranged GETs of this size, DOWNLOAD_THREADS at a time
+DOWNLOAD_RANGE = 64 << 20  # downloads: ranged GETs of this size, DOWNLOAD_THREADS at a time
 DOWNLOAD_THREADS = 8
 RANGE_BLOCK = 1 << 20  # RangeFile reads whole blocks of this size
 _ETAG_SUFFIX = ".etag"  # a cached file's verified ETag lives beside it, in .<name>.etag
@@ -175,10 +175,20 @@ class S3Store:
             raise self._error(err, f"cannot read {self.url(name)}") from None
         return True
 
-    def get_bytes(self, name: str, byte_range: tuple[int, int] | None = None, etag: str | None = None,
-                  attempts: int = 3) -> bytes:
-        """The object (or bytes [start, end) of it; only while its ETag is `etag`, if given). botocore
-        retries the request; a connection that breaks while the body streams is retried here."""
+    def get_bytes(self, name: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        """The object (or bytes [start, end) of it)."""
+        buffer = bytearray()
+
+        def write(offset, chunk):
+            buffer[offset:offset + len(chunk)] = chunk
+
+        self._stream(name, byte_range, None, write)
+        return bytes(buffer)
+
+    def _stream(self, name: str, byte_range, etag: str | None, write, attempts: int = 3) -> None:
+        """GET the object (or bytes [start, end) of it; only while its ETag is `etag`, if given), handing
+        write(offset in the range, chunk) each piece as it arrives. botocore retries the request; a
+        connection that breaks while the body streams is retried here, from the start of the range."""
         from botocore.exceptions import BotoCoreError
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
         extra.update({"IfMatch": f'"{etag}"'} if etag else {})
@@ -186,7 +196,11 @@ class S3Store:
             response = self._call(f"cannot read {self.url(name)}", "get_object", Bucket=self.bucket,
                                   Key=self.key(name), **extra)
             try:
-                return response["Body"].read()
+                offset = 0
+                for chunk in response["Body"].iter_chunks(1 << 20):
+                    write(offset, chunk)
+                    offset += len(chunk)
+                return
             except (BotoCoreError, OSError) as err:
                 if attempt == attempts - 1:
                     raise self._error(err, f"cannot read {self.url(name)}") from None
@@ -229,10 +243,12 @@ class S3Store:
         ranges = [(start, min(start + DOWNLOAD_RANGE, remote.size)) for start in range(0, remote.size, DOWNLOAD_RANGE)]
 
         def fetch(byte_range):
-            data = self.get_bytes(remote.name, byte_range, etag=remote.etag)
             with open(path, "r+b") as f:
-                f.seek(byte_range[0])
-                f.write(data)
+                def write(offset, chunk):
+                    f.seek(byte_range[0] + offset)
+                    f.write(chunk)
+
+                self._stream(remote.name, byte_range, remote.etag, write)
 
         with ThreadPoolExecutor(max(1, min(DOWNLOAD_THREADS, len(ranges))), thread_name_prefix="s3-range") as pool:
             for _ in pool.map(fetch, ranges):
