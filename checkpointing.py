@@ -186,7 +186,8 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     error = None
     if rank == 0:
         try:
-            _commit(output_dir, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine))
+            _commit(output_dir, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine),
+                    layout=_optimizer_layout(engine))
         except OSError as exc:
             error = f"cannot commit checkpoint {tag_dir}: {exc}"
     _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}", engine.device)
@@ -254,7 +255,17 @@ def _delete_tag_dir(tag_dir: Path) -> None:
     shutil.rmtree(tag_dir)
 
 
-def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsync_files: bool) -> None:
+def _optimizer_layout(engine) -> dict:
+    """What resuming on another world size needs to know of how the optimizer state is cut up."""
+    import zero_partitions
+    return {"zero_stage": int(engine.zero_optimization_stage()),
+            "optimizer_wrapper": type(engine.optimizer).__name__,
+            "partitioned": zero_partitions.group_partitions(engine.optimizer) is not None,
+            "bf16": bool(engine.bfloat16_enabled())}
+
+
+def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsync_files: bool,
+            layout: dict) -> None:
     """Rank 0, after every rank finished writing: manifest, then `latest`. fsync_files: fsync the
     tag's files first (a checkpoint engine of DeepSpeed's own wrote them, without fsync), so that a
     power loss cannot leave a manifest naming empty files. Done here, once, after the barrier: every
@@ -277,6 +288,7 @@ def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsy
         "format_version": MANIFEST_FORMAT_VERSION,
         "tag": tag,
         "world_size": world_size,
+        "optimizer_layout": layout,
         "model_config": client_state["model_config"],
         "model_config_sha256": model_config_hash(client_state["model_config"]),
         "client_state_keys": sorted(client_state),
@@ -324,16 +336,8 @@ def _check_manifest(text: str, sizes: dict) -> tuple[dict | None, str | None]:
     return manifest, None
 
 
-def _check_compatible(tag_dir: Path, manifest: dict, world_size: int, model_config: dict | None) -> None:
+def _check_compatible(tag_dir: Path, manifest: dict, model_config: dict | None) -> None:
     """Raise CheckpointError when this run cannot resume from a complete checkpoint."""
-    saved_world = manifest["world_size"]
-    if saved_world != world_size:
-        raise CheckpointError(
-            f"checkpoint {tag_dir} was saved by {saved_world} data-parallel ranks but this run has "
-            f"{world_size}: the data-parallel world size changed. DeepSpeed cannot re-partition ZeRO "
-            f"optimizer states on load; resume with {saved_world} ranks, or convert the checkpoint "
-            f"with DeepSpeed's universal checkpoint tool (deepspeed/checkpoint/ds_to_universal.py), "
-            f"which this repository does not load")
     if model_config is not None and model_config_hash(model_config) != manifest["model_config_sha256"]:
         saved = manifest["model_config"]
         differing = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
@@ -372,7 +376,7 @@ def _read_latest(output_dir: Path) -> str | None:
         return None
 
 
-def find_resume_tag(output_dir, world_size: int, model_config: dict | None = None) -> str | None:
+def find_resume_tag(output_dir, model_config: dict | None = None) -> str | None:
     """Tag to resume from (any rank may call it; it only reads).
 
     - None when output_dir holds no checkpoint: no `latest` and no complete checkpoint
@@ -380,11 +384,12 @@ def find_resume_tag(output_dir, world_size: int, model_config: dict | None = Non
     - The tag named by `latest` when that checkpoint is complete.
     - Otherwise the newest complete checkpoint, with a CheckpointWarning saying why.
     Raises CheckpointError when `latest` exists but no complete checkpoint does, and when the chosen
-    checkpoint was saved with another world size or (if model_config is given) another model config."""
+    checkpoint was saved (if model_config is given) with another model config. Another world size is
+    fine: load_checkpoint re-partitions the ZeRO optimizer state."""
     chosen = _choose_tag(Path(output_dir))
     if chosen is not None:
         tag, manifest = chosen
-        _check_compatible(Path(output_dir) / tag, manifest, world_size, model_config)
+        _check_compatible(Path(output_dir) / tag, manifest, model_config)
         return tag
     return None
 
@@ -426,7 +431,8 @@ def _choose_among(output_dir, complete: list, broken: dict, latest: str | None) 
 
 
 def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[dict, dict]:
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    say=None) -> tuple[dict, dict | None]:
     """Collective (DeepSpeed's load is). Returns (client_state, rank_state).
 
     Resume: the defaults (weights, optimizer, LR scheduler, DeepSpeed's step counters).
@@ -434,26 +440,65 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
     scheduler; the optimizer moments are loaded (resetting step counters is the caller's job).
     --init_checkpoint: load_module_only=True loads the weights only (fresh optimizer and scheduler);
     rank_state is then {} and the world size may differ from the saving run's.
+    Another data-parallel world size than the saving run's: DeepSpeed loads the weights, scheduler and
+    counters, and the ZeRO-1/2 optimizer state (fp32 master weights, moments, group steps) is
+    re-partitioned here (see _repartition_optimizer_state; say(message) is told). rank_state is then
+    None: the per-rank RNG states belong to ranks of the old world.
     client_state holds exactly the keys given to save_checkpoint."""
     tag_dir = Path(output_dir) / str(tag)
     manifest, reason = _read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
-    if not load_module_only:
-        _check_compatible(tag_dir, manifest, _rank_and_world()[1], None)
+    world = _rank_and_world()[1]
+    repartition = not load_module_only and manifest["world_size"] != world
+    if repartition:
+        _check_repartition_possible(tag_dir, manifest, engine, world)
     with _weights_only_loads(engine):
         load_path, ds_state = engine.load_checkpoint(
-            str(output_dir), str(tag), load_module_strict=True, load_optimizer_states=load_optimizer_states,
+            str(output_dir), str(tag), load_module_strict=True,
+            load_optimizer_states=load_optimizer_states and not repartition,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no model states file in {tag_dir}")
     client_state = {key: ds_state[key] for key in manifest["client_state_keys"]}
     if load_module_only:
         return client_state, {}
+    if repartition:
+        if load_optimizer_states and _is_partitioned(tag_dir):
+            _repartition_optimizer_state(engine, tag_dir)
+        if say is not None:
+            say(f"checkpoint {tag_dir} was written by {manifest['world_size']} data-parallel ranks, this run has "
+                f"{world}: " + ("re-partitioned its ZeRO optimizer state (fp32 weights, moments, steps); "
+                                if _is_partitioned(tag_dir) else "") + "per-rank RNG states not restored")
+        return client_state, None
     rank_state = torch.load(tag_dir / rank_state_name(global_rank), map_location="cpu", weights_only=True)
     return client_state, rank_state
 
 
+# --------------------------------------------------------------------------- another world size
+
+def _partition_files(tag_dir: Path) -> list:
+    return sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                  key=lambda p: int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)))
+
+
+def _is_partitioned(tag_dir: Path) -> bool:
+    """ZeRO-1/2 checkpoints hold the optimizer state in per-rank partition files; ZeRO-0 ones in
+    DeepSpeed's model states file, which any world size loads as it is."""
+    return bool(_partition_files(tag_dir))
+
+
+def _check_repartition_possible(tag_dir: Path, manifest: dict, engine, world: int) -> None:
+    """One clear error, before anything is loaded, when the optimizer state cannot move to this run."""
+    import zero_partitions
+    saved_partitioned = _is_partitioned(tag_dir)
+    partitioned_now = zero_partitions.group_partitions(engine.optimizer) is not None
+    if saved_partitioned != partitioned_now:
+        saved_stage = manifest.get("optimizer_layout", {}).get("zero_stage", "1/2" if saved_partitioned else 0)
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was written with ZeRO stage {saved_stage} by {manifest['world_size']} ranks; "
+            f"this run has {world} ranks and ZeRO stage {engine.zero_optimization_stage()}: across world sizes "
+            f"the optimizer state moves between ZeRO-1/2 layouts or between ZeRO-0 layouts only")
 def _deepspeed_checkpoint_classes() -> list:
     """The only non-tensor classes DeepSpeed 0.19.8 pickles into its ZeRO-1/2 optimizer files
     (found with torch.serialization.get_unsafe_globals_in_checkpoint); plain data holders."""
@@ -656,12 +701,14 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
         raise CheckpointError(f"cannot export checkpoint {tag_dir}: {reason}")
     model_states = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt")
     module = model_states["module"]
-    partition_files = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
-                             key=lambda p: int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)))
+    partition_files = _partition_files(tag_dir)
     if not partition_files:
         return manifest["model_config"], {name: value.detach().float() if value.is_floating_point()
                                           else value.detach() for name, value in module.items()}
-    weights = _merge_zero_partitions(partition_files, model_states["param_shapes"])
+    states = _load_partition_states(partition_files)
+    weights = {}
+    for group, shapes in enumerate(model_states["param_shapes"]):
+        weights.update(_split_group(states, group, shapes, lambda state: state[_FP32_PARTITIONS][group]))
     for name, source in (model_states.get("shared_params") or {}).items():
         weights[name] = weights[source]  # tied weights are stored once (e.g. the MLM decoder)
     for name in module.keys() - weights.keys():
@@ -669,27 +716,81 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
     return manifest["model_config"], {name: weights[name] for name in module}
 
 
-def _merge_zero_partitions(partition_files: list, param_shapes: list) -> dict:
-    """ZeRO-1/2 layout: per param group, one flat fp32 vector cut in contiguous per-rank pieces;
-    parameters lie in it in param_shapes order, each followed by its alignment padding (if any)."""
+# Keys of DeepSpeed 0.19.8's ZeRO-1/2 optimizer state dicts (DeepSpeedZeroOptimizer and BF16_Optimizer).
+_FP32_PARTITIONS = "single_partition_of_fp32_groups"
+_BASE_STATE = "base_optimizer_state"
+
+
+def _load_partition_states(partition_files: list) -> list:
+    """Every rank's ZeRO-1/2 optimizer state dict, in rank order, checked to be all of them."""
     states = [_load_weights_only(path)["optimizer_state_dict"] for path in partition_files]
     counts = states[0]["partition_count"]
     if max(counts if isinstance(counts, list) else [counts]) != len(states):
         raise CheckpointError(f"{partition_files[0].parent}: {len(states)} optimizer partition files, "
                               f"the checkpoint was partitioned {counts} ways")
+    return states
+
+
+def _split_group(states: list, group: int, shapes: dict, flat_of) -> dict:
+    """ZeRO-1/2 layout: a param group is one flat vector cut in contiguous per-rank pieces
+    (flat_of(rank's state) gives a piece); parameters lie in it in param_shapes order, each followed by
+    its alignment padding (if any). Returns {name: full tensor}."""
+    flat = torch.cat([flat_of(state) for state in states])
     paddings = states[0].get("param_alignment_paddings")
-    weights = {}
-    for group, shapes in enumerate(param_shapes):
-        flat = torch.cat([state["single_partition_of_fp32_groups"][group] for state in states])
-        offset = 0
-        for index, (name, shape) in enumerate(shapes.items()):
-            numel = math.prod(shape)
-            weights[name] = flat[offset:offset + numel].view(shape).clone()
-            offset += numel + (paddings[group][index] if paddings else 0)
-        if offset > flat.numel():
-            raise CheckpointError(f"{partition_files[0].parent}: group {group} needs {offset} values, "
-                                  f"the partitions hold {flat.numel()}")
-    return weights
+    values, offset = {}, 0
+    for index, (name, shape) in enumerate(shapes.items()):
+        numel = math.prod(shape)
+        values[name] = flat[offset:offset + numel].view(shape).clone()
+        offset += numel + (paddings[group][index] if paddings else 0)
+    if offset > flat.numel():
+        raise CheckpointError(f"group {group} of the checkpoint needs {offset} values, its partitions hold {flat.numel()}")
+    return values
+
+
+@torch.no_grad()
+def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
+    """Fill this rank's ZeRO-1/2 partitions from a checkpoint written by another number of ranks: the
+    fp32 master weights and every partitioned optimizer state tensor (LANS/Adam moments) are put
+    together per parameter from all saved partitions, then cut along this run's partitions (DeepSpeed's
+    own metadata, zero_partitions.py); per-group values (the step, hyperparameters) are copied."""
+    import zero_partitions
+    states = _load_partition_states(_partition_files(tag_dir))
+    param_shapes = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt")["param_shapes"]
+    parts = zero_partitions.group_partitions(engine.optimizer)
+    client = engine.optimizer.optimizer
+    if not all(isinstance(state[_BASE_STATE], dict) for state in states):
+        raise CheckpointError(f"{tag_dir}: optimizer state saved with zero_optimization.elastic_checkpoint; "
+                              f"resume it on the world size that wrote it")
+    if [[tuple(p.shape) for p in part.params] for part in parts] != \
+            [[tuple(shape) for shape in shapes.values()] for shapes in param_shapes]:
+        raise CheckpointError(f"{tag_dir}: the checkpoint's parameter groups differ from this run's")
+    for group, (part, shapes) in enumerate(zip(parts, param_shapes)):
+        saved = [state[_BASE_STATE]["state"].get(group, {}) for state in states]
+        target = client.state[part.flat]
+        _fill_fragments(part, _split_group(states, group, shapes, lambda state: state[_FP32_PARTITIONS][group]),
+                        part.flat)
+        for key, value in saved[0].items():
+            # DeepSpeed saves the fp32 partitions without the last rank's end padding, the states with it.
+            partitioned = all(torch.is_tensor(s[key]) and s[key].dim() == 1 and s[key].numel() ==
+                              state[_FP32_PARTITIONS][group].numel() + state["group_paddings"][group]
+                              for s, state in zip(saved, states))
+            if partitioned:
+                target[key] = torch.zeros_like(part.flat)
+                _fill_fragments(part, _split_group(states, group, shapes, lambda state: state[_BASE_STATE]["state"][group][key]),
+                                target[key])
+            else:
+                target[key] = value.to(part.flat.device) if torch.is_tensor(value) else value
+        saved_group = states[0][_BASE_STATE]["param_groups"][group]
+        client.param_groups[group].update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _fill_fragments(part, values: dict, flat: torch.Tensor) -> None:
+    """Copy the pieces of the full per-parameter `values` (in the group's order) that this rank holds
+    into `flat`, shaped like its partition."""
+    ordered = list(values.values())
+    for fragment in part.fragments:
+        piece = ordered[fragment.index].reshape(-1).narrow(0, fragment.param_start, fragment.numel)
+        flat.narrow(0, fragment.partition_start, fragment.numel).copy_(piece)
 
 
 def export_main(argv=None) -> int:

@@ -339,11 +339,14 @@ def save(session: Session, engine, step: int) -> None:
 
 def resume(session: Session, engine, config: BertConfig) -> int:
     directory = checkpoint_dir(session.args)
-    tag = checkpointing.find_resume_tag(directory, session.world, model_config=config.to_dict())
+    tag = checkpointing.find_resume_tag(directory, model_config=config.to_dict())
     if tag is None:
         session.say(f"no checkpoint in {directory}: starting from step 0")
         return 0
     client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank)
+    if rank_state is None:  # resuming fine-tuning on another world size is untested: keep refusing it
+        raise checkpointing.CheckpointError(f"checkpoint {tag} in {directory} was written by another number of "
+                                            f"ranks than this run's {session.world}; resume fine-tuning on that number")
     checkpointing.restore_rng_state(rank_state["rng"])
     return int(client["global_step"])
 

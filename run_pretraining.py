@@ -33,6 +33,7 @@ import hardware
 import runtime
 import sizing
 import storage
+import zero_partitions
 from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Unlike the reference, counted from the start of this run, not from step 0.")
     add("--optimizer", default=None, help=f"One of {', '.join(OPTIMIZERS)}; none = the DeepSpeed JSON's optimizer.")
     add("--betas", type=float, nargs=2, default=None, help="Optimizer betas.")
+    add("--lans_blocks", choices=("tensor", "partition"), default="tensor",
+        help="LANS under ZeRO-1/2: norms and trust ratios per model tensor (across ranks; the paper's), "
+             "or per flat partition of each rank (the reference's; depends on the number of ranks).")
     add("--use_lr_scheduler", action="store_true", help="PolyWarmUpScheduler (else the DeepSpeed JSON's scheduler, or constant LR).")
     add("--disable_random_sampler", action="store_true", help="Read shards and samples in order (debugging).")
     add("--checkpoint_activations", action="store_true", help="Recompute encoder activations in the backward pass.")
@@ -255,7 +259,10 @@ def build_engine(args, model, ds_config: dict):
                                                 constant=args.constant_proportion)
         except ValueError as err:  # an impossible LR, betas or schedule
             raise InputError(f"optimizer / LR schedule: {err}") from err
-    return runtime.initialize_engine(model, ds_config, optimizer, scheduler, parameter_groups=groups)
+    engine, optimizer = runtime.initialize_engine(model, ds_config, optimizer, scheduler, parameter_groups=groups)
+    if args.optimizer == "lans" and args.lans_blocks == "tensor":
+        zero_partitions.use_tensor_blocks(engine.optimizer, optimizer)
+    return engine, optimizer
 
 
 # ============================================================================ resume, phase 2
@@ -302,17 +309,20 @@ def restore_state(args, checkpoint_dir, engine, optimizer, config: BertConfig, d
         return fresh
     world, rank = dist.get_world_size(), dist.get_rank()
     tag = (str(args.resume_step) if args.resume_step >= 0
-           else checkpointing.find_resume_tag(checkpoint_dir, world, model_config=config.to_dict()))
+           else checkpointing.find_resume_tag(checkpoint_dir, model_config=config.to_dict()))
     if tag is None:
         say(f"no checkpoint in {args.output_dir}: starting from scratch")
         return fresh
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank)
+    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, say=say)
     if client["model_config"] != config.to_dict():
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
-    checkpointing.restore_rng_state(rank_state["rng"])
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"])
+    if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0
+        runtime.seed_everything(args.seed + rank + world * state.global_step)
+    else:
+        checkpointing.restore_rng_state(rank_state["rng"])
     if args.phase2 and state.phase == 1:
         if state.global_step != args.phase1_end_step:
             raise InputError(f"checkpoint {tag} is at step {state.global_step}, but --phase1_end_step is {args.phase1_end_step}")
@@ -601,6 +611,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
         return nothing_to_train(args, state, logger, say, time.perf_counter() - started)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
                           shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files)

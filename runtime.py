@@ -136,11 +136,12 @@ def check_deepspeed_config(config: dict, world_size: int, path, client_optimizer
     total = config.get("train_batch_size")
     if not isinstance(micro, int) or not isinstance(total, int) or micro <= 0 or total <= 0:
         raise InputError(f"{path}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
-    gas = config.get("gradient_accumulation_steps", total // (micro * world_size))
-    if total != micro * gas * world_size or gas < 1:
-        raise InputError(f"{path}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
-                         f"x gradient_accumulation_steps {gas} x world size {world_size}")
-    config["gradient_accumulation_steps"] = gas
+    # The global batch is what a recipe fixes: the accumulation steps follow from it on any world size
+    # (a checkpoint resumed on another number of ranks keeps its batch; the driver logs the split).
+    if total % (micro * world_size):
+        raise InputError(f"{path}: train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu "
+                         f"{micro} x world size {world_size}: this global batch cannot be kept on {world_size} ranks")
+    config["gradient_accumulation_steps"] = total // (micro * world_size)
     zero_stage = config.get("zero_optimization", {}).get("stage", 0)
     if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
         raise InputError(f"{path}: ZeRO with --optimizer {client_optimizer} needs "

@@ -166,9 +166,11 @@ def two_checkpoints(tmp_path):
 def test_latest_and_manifest(two_checkpoints):
     out = two_checkpoints
     assert (out / "latest").read_text() == "4"
-    assert checkpointing.find_resume_tag(out, 1, MODEL_CONFIG) == "4"
+    assert checkpointing.find_resume_tag(out, MODEL_CONFIG) == "4"
     manifest = json.loads((out / "4" / "complete.json").read_text())
     assert manifest["world_size"] == 1 and manifest["tag"] == "4"
+    assert manifest["optimizer_layout"] == {"zero_stage": 1, "optimizer_wrapper": "DeepSpeedZeroOptimizer",
+                                            "partitioned": True, "bf16": False}
     assert manifest["model_config"] == MODEL_CONFIG
     assert manifest["deepspeed_version"] == deepspeed.__version__
     on_disk = {p.name: p.stat().st_size for p in (out / "4").iterdir() if p.name != "complete.json"}
@@ -195,7 +197,7 @@ def test_resave_replaces_leftover_directory(tmp_path):
     train(engine, 3)
     save(engine, tmp_path, 3)
     assert not (stale / "junk.bin").exists()
-    assert checkpointing.find_resume_tag(tmp_path, 1) == "3"
+    assert checkpointing.find_resume_tag(tmp_path) == "3"
     checkpointing.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0)
 
 
@@ -233,14 +235,14 @@ def test_files_of_other_checkpoint_engines_are_fsynced_by_rank0(tmp_path, monkey
     save(engine, tmp_path, 1)
     deepspeed_files = {p.name for p in (tmp_path / "1").glob("*_states.pt")}
     assert len(deepspeed_files) == 2 and deepspeed_files <= set(fsynced)
-    assert checkpointing.find_resume_tag(tmp_path, 1, MODEL_CONFIG) == "1"
+    assert checkpointing.find_resume_tag(tmp_path, MODEL_CONFIG) == "1"
 
 
 # --------------------------------------------------------------------------- fallback and errors
 
 def resume_with_warning(out, match):
     with pytest.warns(CheckpointWarning, match=match):
-        return checkpointing.find_resume_tag(out, 1, MODEL_CONFIG)
+        return checkpointing.find_resume_tag(out, MODEL_CONFIG)
 
 
 def test_interrupted_save_is_ignored_while_latest_is_complete(two_checkpoints):
@@ -249,7 +251,7 @@ def test_interrupted_save_is_ignored_while_latest_is_complete(two_checkpoints):
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"partial")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert checkpointing.find_resume_tag(two_checkpoints, 1, MODEL_CONFIG) == "4"
+        assert checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG) == "4"
 
 
 def test_latest_naming_incomplete_tag_falls_back(two_checkpoints):
@@ -283,25 +285,33 @@ def test_no_latest_file_uses_newest_complete(two_checkpoints):
 def test_other_model_config_is_an_error(two_checkpoints):
     other = dict(MODEL_CONFIG, hidden_size=32)
     with pytest.raises(CheckpointError, match=r"another model config \(hidden_size: checkpoint 16 vs run 32\)"):
-        checkpointing.find_resume_tag(two_checkpoints, 1, other)
+        checkpointing.find_resume_tag(two_checkpoints, other)
 
 
-def test_world_size_change_is_an_error(two_checkpoints):
-    with pytest.raises(CheckpointError, match=r"saved by 1 data-parallel ranks but this run has 2.*universal"):
-        checkpointing.find_resume_tag(two_checkpoints, 2, MODEL_CONFIG)
+def test_another_world_size_needs_the_same_kind_of_optimizer_layout(two_checkpoints, monkeypatch):
+    """A ZeRO-1 checkpoint of 1 rank resumed by '2 ranks' with ZeRO-0: one error before anything loads.
+    (Re-partitioning itself runs on real ranks: tests/test_world_size.py.)"""
+    assert checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG) == "4"  # any world size may resume
+    engine = make_engine(seed=1, stage=0)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    monkeypatch.setattr(checkpointing, "_rank_and_world", lambda: (0, 2))
+    with pytest.raises(CheckpointError, match=r"written with ZeRO stage 1 by 1 ranks; this run has 2 ranks and "
+                                              r"ZeRO stage 0: .*between ZeRO-1/2 layouts or between ZeRO-0"):
+        checkpointing.load_checkpoint(engine, two_checkpoints, "4", 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
 
 
 def test_none_usable_is_an_error(two_checkpoints):
     for tag in ("2", "4"):
         (two_checkpoints / tag / "state_0.pt").unlink()
     with pytest.raises(CheckpointError, match=r"`latest` names '4'.*state_0\.pt.*no other checkpoint is complete"):
-        checkpointing.find_resume_tag(two_checkpoints, 1, MODEL_CONFIG)
+        checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG)
 
 
 def test_no_checkpoint_means_fresh_start(tmp_path):
-    assert checkpointing.find_resume_tag(tmp_path / "absent", 1) is None
+    assert checkpointing.find_resume_tag(tmp_path / "absent") is None
     (tmp_path / "dllogger.json").write_text("")
-    assert checkpointing.find_resume_tag(tmp_path, 1) is None
+    assert checkpointing.find_resume_tag(tmp_path) is None
     first = tmp_path / "2"
     first.mkdir()
     (first / "mp_rank_00_model_states.pt").write_bytes(b"killed during the first save")
@@ -330,7 +340,7 @@ def test_prune_keeps_newest_and_latest(tmp_path):
 
 def assert_previous_intact(out):
     assert (out / "latest").read_text() == "4"
-    assert checkpointing.find_resume_tag(out, 1, MODEL_CONFIG) == "4"
+    assert checkpointing.find_resume_tag(out, MODEL_CONFIG) == "4"
     assert not [p for p in out.rglob("*") if ".tmp." in p.name]
     state, _ = checkpointing.load_checkpoint(make_engine(seed=1, stage=1), out, "4", 0)
     assert state["global_step"] == 4
@@ -474,7 +484,7 @@ def test_pickled_code_in_checkpoint_is_refused(two_checkpoints, tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][path.name] = path.stat().st_size
     manifest_path.write_text(json.dumps(manifest))
-    assert checkpointing.find_resume_tag(two_checkpoints, 1, MODEL_CONFIG) == "4"
+    assert checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG) == "4"
     with pytest.raises(CheckpointError, match=r"refusing to unpickle .*getattr"):
         checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0)
     assert not marker.exists()

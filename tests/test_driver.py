@@ -326,7 +326,8 @@ BAD_INPUTS = {
     "shard_wrong_shape": (mismatched_rows, {}, "'next_sentence_labels' has 2 rows"),
     "token_id_beyond_vocab": (id_beyond_vocab, {"disable_random_sampler": True},
                               "sample 3: token id 40000 outside \\[0, 30522\\)"),
-    "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}}, "train_batch_size 10 != train_micro_batch_size"),
+    "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}}, "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 1: "
+                         "this global batch cannot be kept"),
     "output_dir_not_empty": ("occupied", {}, "is not empty: pass --resume_from_checkpoint"),
     "output_dir_is_a_file": ("file_in_the_way", {"output_dir": "in_the_way"}, "--output_dir .*in_the_way exists and "
                              "is not a directory"),

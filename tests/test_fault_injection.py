@@ -104,7 +104,7 @@ def latest_is_complete(out) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("error", checkpointing.CheckpointWarning)
         try:
-            return checkpointing.find_resume_tag(out, 1) == (out / "latest").read_text()
+            return checkpointing.find_resume_tag(out) == (out / "latest").read_text()
         except (checkpointing.CheckpointError, checkpointing.CheckpointWarning):
             return False
 
