@@ -3,6 +3,8 @@ PyTorch loop with the same model, LANS and PolyWarmUp on in-memory batches, one 
 
     python bench/bench_driver.py                       # fp32, ZeRO-0
     python bench/bench_driver.py --bf16 --stage 1      # driver bf16 ZeRO-1 vs plain loop on a bf16 model
+    python bench/bench_driver.py --bf16 --stage 1 --config bench/bert_1.5b_widths_2_layers.json --micro 8 \
+        --steps 6 --threads 2                          # BERT-1.5B widths: the driver's MFU
 
 Each loop runs --repeats times, interleaved, and the best is reported (the machine may be shared); CPU
 seconds per step (process time, all threads) are reported too, being far less sensitive to other load.
@@ -44,13 +46,13 @@ def synthetic_arrays(num_samples, seq_len, max_pred, vocab_size, seed=0):
 
 
 def time_driver(args, work: Path) -> tuple:
-    """(steps/s from run_pretraining's raw_train_time, CPU seconds per step of the training loop)."""
+    """(steps/s from run_pretraining's raw_train_time, CPU seconds per step of the training loop, summary)."""
     ds_config = work / "ds.json"
     ds_config.write_text(json.dumps({
         "train_batch_size": args.micro, "train_micro_batch_size_per_gpu": args.micro,
         "bf16": {"enabled": args.bf16}, "gradient_clipping": 0.0, "zero_optimization": {"stage": args.stage},
         "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}))
-    common = ["--input_dir", str(work / "shards"), "--config_file", str(MODEL_CONFIG), "--optimizer", "lans",
+    common = ["--input_dir", str(work / "shards"), "--config_file", str(args.config), "--optimizer", "lans",
               "--use_lr_scheduler", "--learning_rate", "0.001", "--max_predictions_per_seq", str(args.max_pred),
               "--skip_checkpoint", "--disable_progress_bar", "--no_cuda", "--deepspeed",
               "--deepspeed_config", str(ds_config), "--max_steps", str(args.steps)]
@@ -68,13 +70,13 @@ def time_driver(args, work: Path) -> tuple:
                                                  "--json-summary", str(work / "driver.json")])
     finally:
         run_pretraining.train = train
-    return args.steps / summary["raw_train_time"], cpu["seconds"] / args.steps
+    return args.steps / summary["raw_train_time"], cpu["seconds"] / args.steps, summary
 
 
 def time_plain_loop(args, arrays) -> tuple:
     """(steps/s, CPU seconds per step) of forward + loss + backward + LANS + scheduler on in-memory batches."""
     torch.manual_seed(0)
-    model = BertForPreTraining(BertConfig.from_json_file(MODEL_CONFIG))
+    model = BertForPreTraining(BertConfig.from_json_file(args.config))
     if args.bf16:
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer("lans", get_parameter_groups(model), 0.001)
@@ -110,6 +112,7 @@ def main():
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each loop (best is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by other load)")
+    parser.add_argument("--config", default=str(MODEL_CONFIG), help="model config JSON (default: the tiny one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -132,12 +135,16 @@ def main():
     print(f"{'loop':<36}{'steps/s (best)':>16}{'CPU s/step (best)':>20}   all runs (steps/s, CPU s/step)")
     for name, rate, cpu_per_step, runs in (("run_pretraining.py (DeepSpeed)", driver, driver_cpu, driver_runs),
                                            ("plain PyTorch loop (no DeepSpeed)", plain, plain_cpu, plain_runs)):
-        listed = ", ".join(f"({r:.3f}, {c:.2f})" for r, c in runs)
+        listed = ", ".join(f"({r:.3f}, {c:.2f})" for r, c, *_ in runs)
         print(f"{name:<36}{rate:>16.3f}{cpu_per_step:>20.3f}   {listed}")
     print(f"load average before: {tuple(round(x, 2) for x in load_before)}, "
           f"after: {tuple(round(x, 2) for x in os.getloadavg())}")
     print(f"steps/s ratio driver / plain = {driver / plain:.3f}; "
           f"CPU time per step ratio driver / plain = {driver_cpu / plain_cpu:.3f}")
+    best = max((r[2] for r in driver_runs), key=lambda summary: summary["mfu"])
+    print(f"driver (best run): {best['training_sequences_per_second']:.3f} sequences/s, "
+          f"{best['model_tflops']:.4f} model TFLOP/s, MFU {best['mfu']:.1%} of the peak the driver measured at "
+          f"start-up (its log says which product)")
 
 
 if __name__ == "__main__":

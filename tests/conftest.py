@@ -1,5 +1,7 @@
-"""Session fixtures shared by the test files: tiny shards made inside the session (no network)."""
+"""Session fixtures shared by the test files: tiny shards made inside the session, and an S3 server on
+127.0.0.1 (moto_server); nothing reaches the network."""
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -45,6 +47,9 @@ def pipeline_shards(tmp_path_factory):
     return directory
 
 
+_BUCKET_NUMBERS = itertools.count()  # one new bucket per test, never reused within the session
+
+
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
     """A real S3-compatible server (moto_server) on 127.0.0.1 for the session; see s3_helpers."""
@@ -65,7 +70,7 @@ def s3(moto_server, tmp_path, monkeypatch, request):
         monkeypatch.setenv(key, value)
     import boto3
     boto3.setup_default_session()  # a session resolves credentials once: a fresh one for this environment
-    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{id(tmp_path) % 10 ** 6}"
+    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{next(_BUCKET_NUMBERS)}"
     client = s3_helpers.make_bucket(moto_server, bucket)
     return moto_server, bucket, client
 
