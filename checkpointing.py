@@ -450,9 +450,11 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
     world = _rank_and_world()[1]
-    repartition = not load_module_only and manifest["world_size"] != world
-    if repartition:
+    other_world = not load_module_only and manifest["world_size"] != world
+    if other_world:
         _check_repartition_possible(tag_dir, manifest, engine, world)
+    # DeepSpeed loads ZeRO-0 optimizer state (whole tensors) on any world size, ZeRO-1/2 partitions not.
+    repartition = other_world and load_optimizer_states and _is_partitioned(tag_dir)
     with _weights_only_loads(engine):
         load_path, ds_state = engine.load_checkpoint(
             str(output_dir), str(tag), load_module_strict=True,
@@ -463,13 +465,13 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
     client_state = {key: ds_state[key] for key in manifest["client_state_keys"]}
     if load_module_only:
         return client_state, {}
-    if repartition:
-        if load_optimizer_states and _is_partitioned(tag_dir):
+    if other_world:
+        if repartition:
             _repartition_optimizer_state(engine, tag_dir)
         if say is not None:
             say(f"checkpoint {tag_dir} was written by {manifest['world_size']} data-parallel ranks, this run has "
                 f"{world}: " + ("re-partitioned its ZeRO optimizer state (fp32 weights, moments, steps); "
-                                if _is_partitioned(tag_dir) else "") + "per-rank RNG states not restored")
+                                if repartition else "") + "per-rank RNG states not restored")
         return client_state, None
     rank_state = torch.load(tag_dir / rank_state_name(global_rank), map_location="cpu", weights_only=True)
     return client_state, rank_state
