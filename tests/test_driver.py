@@ -745,8 +745,8 @@ def test_a_fresh_run_replaces_the_dllogger_json(tmp_path, tiny_shards):
 
 # ============================================================================ MFU and the memory check
 
-# The tiny model's training FLOPs per sequence at seq 32 with 5 predictions, by the formula of anchors.md
-# section 1.2 written out: 3 x (L S 24 h^2 + L S 4 S h + 2 P (h^2 + h V) + 2 (h^2 + 2h)); h 128, L 2, V 30528.
+# The tiny model's training FLOPs per sequence at seq 32 with 5 predictions, by the model-FLOPs formula
+# written out: 3 x (L S 24 h^2 + L S 4 S h + 2 P (h^2 + h V) + 2 (h^2 + 2h)); h 128, L 2, V 30528.
 TINY_FLOPS_PER_SEQUENCE = 3 * (2 * 32 * 24 * 128**2 + 2 * 32 * 4 * 32 * 128 + 2 * 5 * (128**2 + 128 * 30528)
                                + 2 * (128**2 + 2 * 128))
 
