@@ -27,10 +27,9 @@ pytestmark = pytest.mark.slow
 
 STEPS, SAVE_AT, GLOBAL_BATCH, MICRO = 20, 10, 16, 4
 FP32_TOLERANCE = 1e-5
-# bf16: the ranks' micro-batches round differently in bf16 (observed in earlier DeepSpeed-on-CPU runs: up to 4e-3 in the loss
-# between 1 and 2 ranks after 10 steps); a resumed run whose optimizer state were lost or misplaced
-# would differ by far more (the negative control below: ~5e-2).
-BF16_TOLERANCE = 1e-2
+# bf16: the ranks' micro-batches round differently in bf16 (observed in earlier DeepSpeed-on-CPU runs: up
+# to 4e-3 in the loss between 1 and 2 ranks after 10 steps). Measured for the 2 -> 1 resume below: 4.8e-4.
+BF16_TOLERANCE = 5e-3
 
 
 class Runs:
