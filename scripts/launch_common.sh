@@ -83,44 +83,57 @@ resolve_settings() {
         die "phase 2 starts from phase 1's last checkpoint, and $CHECKPOINTS_DIR has none (set HL_CHECKPOINTS_DIR or HL_RESULTS_DIR to phase 1's)"
     fi
     command -v deepspeed > /dev/null || die "the deepspeed launcher is not on PATH (activate the virtual environment)"
+    # The ranks run this interpreter by its absolute path: on another server, ssh's PATH finds the system
+    # python, not the virtual environment (same paths on every server are required anyway).
+    PYTHON="$(command -v python)" || die "python is not on PATH (activate the virtual environment)"
 }
 
-# Several servers: the hostfile, and the master address from its first host line.
+# Several servers: the hostfile, the master address (its first host) and port, and the job's hosts (the first
+# NUM_NODES host lines, as `deepspeed --num_nodes` takes them).
 multinode_args() {
     MULTINODE_ARGS=()
+    JOB_HOSTS=""
+    MASTER_PORT="${HL_MASTER_PORT:-29500}"
     if [[ "$NUM_NODES" != 1 ]]; then
         [[ -f "$HOSTSFILE" ]] || die "$NUM_NODES nodes need a hostfile; $HOSTSFILE does not exist (set HL_HOSTSFILE)"
-        local master_addr
-        master_addr="$(grep -v '^[[:space:]]*\(#\|$\)' "$HOSTSFILE" | head -n 1 | awk '{print $1}')"
-        [[ -n "$master_addr" ]] || die "$HOSTSFILE names no host"
-        MULTINODE_ARGS=(--hostfile="$HOSTSFILE" --master_addr "$master_addr")
+        JOB_HOSTS="$(grep -v '^[[:space:]]*\(#\|$\)' "$HOSTSFILE" | head -n "$NUM_NODES" | awk '{print $1}' | paste -sd, -)"
+        [[ -n "$JOB_HOSTS" ]] || die "$HOSTSFILE names no host"
+        MULTINODE_ARGS=(--hostfile="$HOSTSFILE" --master_addr "${JOB_HOSTS%%,*}" --master_port "$MASTER_PORT")
     fi
 }
 
-# deepspeed --num_nodes N --num_gpus 8 --no_local_rank --no_python [multinode] python -u run_pretraining.py ...
+# preflight.py: hostfile, every host over ssh, versions, data directory, batch arithmetic (HL_PREFLIGHT=0 skips).
+run_preflight() {
+    [[ "${HL_PREFLIGHT:-1}" == 0 ]] && return 0
+    "$PYTHON" "$REPO_ROOT/preflight.py" --deepspeed_config "$DS_CONFIG" --data_dir "$DATA_DIR" \
+        --num_nodes "$NUM_NODES" --ngpu_per_node "$NGPU_PER_NODE" --hostfile "$HOSTSFILE" || exit 1
+}
+
+# deepspeed --num_nodes N --num_gpus 8 --no_local_rank --no_python [multinode] /abs/python -u run_pretraining.py ...
 launch_pretraining() {
     resolve_settings
     pretraining_args
     multinode_args
+    run_preflight
     mkdir -p "$RESULTS_DIR"
     cd "$REPO_ROOT"
     local command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
-                   "${MULTINODE_ARGS[@]}" python -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
+                   "${MULTINODE_ARGS[@]}" "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
     echo "${command[*]}"
     run_forwarding_signals "${command[@]}"
 }
 
-# Run the launcher; SIGTERM/SIGINT to this script (e.g. a scheduler signalling only PID 1) are passed on.
-# - One node: the deepspeed runner forwards nothing, and deepspeed.launcher.launch answers a signal by
-#   terminating the ranks and exiting 1; so the local ranks are signalled directly: they finish their step,
-#   save a checkpoint and exit 0, and this script then exits 0.
-# - Before the ranks exist (start-up), or with several nodes: the runner and its children are signalled
-#   (several nodes: the runner only; its handler stops pdsh and kills the remote launchers). Nothing is
-#   saved then and this script exits non-zero (the runner's status, 143 when the signal killed it).
-#   Caveat for several nodes: DeepSpeed's per-node launcher SIGKILLs its ranks 30 s after it is itself
-#   signalled (launch.py, terminate_process_tree), so a step + save longer than 30 s is cut; to stop a
-#   multi-node job cleanly, signal the ranks themselves (on every node), or run one node per job with
-#   the single-node launcher script.
+# Run the launcher; SIGTERM/SIGINT to this script (e.g. a scheduler signalling only PID 1) are passed on to
+# the ranks, which finish their step, save a checkpoint and exit 0; this script then exits 0.
+# - One node: the local ranks (children of deepspeed.launcher.launch) are signalled directly. The deepspeed
+#   runner forwards nothing itself, and deepspeed.launcher.launch answers a signal by terminating the ranks
+#   and exiting 1.
+# - Several nodes: the ranks on every host are signalled over pdsh/ssh (scripts/signal_ranks.sh). Neither
+#   the runner nor pdsh is signalled: the runner's handler would kill pdsh and signal the per-node
+#   launchers, which SIGKILL their ranks 30 s later (launch.py, terminate_process_tree), cutting a long
+#   step or save, and the ranks' output would go to a closed ssh connection.
+# - Before any rank exists (start-up): the runner and its children are signalled; nothing is saved and this
+#   script exits non-zero (the runner's status, 143 when the signal killed it).
 # The trap stays armed: a signal that arrives while the ranks start is acted on like the first one.
 run_forwarding_signals() {
     trap forward_stop_request TERM INT
@@ -136,18 +149,29 @@ run_forwarding_signals() {
 }
 
 forward_stop_request() {
+    # No `return` in here: in a trap handler it returns the interrupted `wait`'s status, and set -e exits.
     local runner="${RUNNER_PID:-$!}" launch_pid ranks=()
     [[ -n "$runner" ]] || die "stopped by a signal before the launch"
-    if [[ "$NUM_NODES" == 1 ]]; then
+    if [[ "$NUM_NODES" != 1 ]]; then
+        if (( $(signal_ranks_on_every_host) == 0 )); then
+            kill -TERM "$runner" 2> /dev/null || true
+        fi
+    else
         for launch_pid in $(pgrep -P "$runner"); do
             ranks+=($(pgrep -P "$launch_pid"))  # the ranks: children of deepspeed.launcher.launch
         done
+        if (( ${#ranks[@]} > 0 )); then
+            kill -TERM "${ranks[@]}" 2> /dev/null || true
+        else
+            kill -TERM $(pgrep -P "$runner") "$runner" 2> /dev/null || true
+        fi
     fi
-    if (( ${#ranks[@]} > 0 )); then
-        kill -TERM "${ranks[@]}" 2> /dev/null || true
-    elif [[ "$NUM_NODES" == 1 ]]; then
-        kill -TERM $(pgrep -P "$runner") "$runner" 2> /dev/null || true
-    else
-        kill -TERM "$runner" 2> /dev/null || true
-    fi
+}
+
+# SIGTERM to this job's ranks on every host (found by their per-node launcher's --master_addr/--master_port);
+# prints how many were signalled in all.
+signal_ranks_on_every_host() {
+    PDSH_RCMD_TYPE=ssh pdsh -N -t 10 -u 60 -w "$JOB_HOSTS" \
+        bash "$REPO_ROOT/scripts/signal_ranks.sh" "${JOB_HOSTS%%,*}" "$MASTER_PORT" TERM 2> /dev/null \
+        | awk '{ n += $1 } END { print n + 0 }'
 }

@@ -29,10 +29,14 @@ def stub_launcher(tmp_path):
     stub.write_text(f'#!/usr/bin/env bash\nlog={shlex.quote(str(tmp_path))}\n'
                     f'[[ -n "${{STUB_ROLE:-}}" ]] || printf "%s\\n" "$@" > "$log/args"\n{STUB_TREE_SCRIPT}')
     stub.chmod(0o755)
+    # Several nodes: the launcher signals the ranks over pdsh; this one finds none on any host.
+    pdsh = bin_dir / "pdsh"
+    pdsh.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {shlex.quote(str(tmp_path))}/pdsh_args\necho 0\n')
+    pdsh.chmod(0o755)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HL_DATA_DIR=str(data_dir),
-               HL_RESULTS_DIR=str(tmp_path / "results"))
+    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
+               HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0")
     return env, tmp_path
 
 
@@ -88,10 +92,15 @@ def test_sigterm_on_one_node_goes_to_the_ranks_only(stub_launcher):
     assert (tmp_path / "rank_signalled").exists() and not (tmp_path / "launch_signalled").exists()
 
 
-def test_sigterm_on_several_nodes_goes_to_the_runner_only(stub_launcher):
+def test_sigterm_on_several_nodes_without_ranks_yet_goes_to_the_runner_only(stub_launcher):
+    """The launcher first asks every host over pdsh to signal the job's ranks (the stub pdsh finds none, as
+    during start-up), then signals the runner alone. The ranks' side: test_multihost.py, on real hosts."""
     env, tmp_path = stub_launcher
     assert sigterm_once_started("run_bert_1.5b_32x.sh", env, tmp_path, "pdsh") == 1
     assert (tmp_path / "runner_signalled").exists() and not (tmp_path / "ssh_signalled").exists()
+    pdsh_args = (tmp_path / "pdsh_args").read_text().splitlines()
+    assert pdsh_args[pdsh_args.index("-w") + 1] == "10.10.100.101,10.10.100.102,10.10.100.103,10.10.100.104"
+    assert pdsh_args[-4:] == [str(SCRIPTS / "signal_ranks.sh"), "10.10.100.101", "29500", "TERM"]
 
 
 def launch(script, env):
@@ -110,12 +119,13 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
     result = launch(script, env)
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
-    python_at = args.index("python")
+    python_at = args.index(str(helpers.VENV_BIN / "python"))  # absolute: ssh's PATH on another server differs
     launcher, program = args[:python_at], args[python_at:]
     assert launcher[:6] == ["--num_nodes", nodes, "--num_gpus", "8", "--no_local_rank", "--no_python"]
     if nodes != "1":  # several servers: the hostfile and the first host as master
-        assert launcher[6:] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101"]
-    assert program[:3] == ["python", "-u", "./run_pretraining.py"]
+        assert launcher[6:] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101",
+                                "--master_port", "29500"]
+    assert program[1:3] == ["-u", "./run_pretraining.py"]
     for expected in ("--use_hpu", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
                      "--seed=12439", "--max_predictions_per_seq=20",
                      "--learning_rate=0.0015", "--warmup_proportion=0.05", "--constant_proportion=0.25",
