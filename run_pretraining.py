@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--s3_cache_gb", type=float, default=50, help="Bound of each rank's S3 shard cache, GiB (at least the "
         "largest shard; two shards or more let the next shard download while one is read).")
     add("--s3_endpoint_url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).")
+    add("--collective_timeout_s", type=float, default=1800, help="A collective (all-reduce, barrier) waiting this "
+        "long ends the job with an error naming the rank and host: another rank died or stalled.")
     ignored = parser.add_argument_group("ignored", "Accepted for compatibility with the reference; these do nothing.")
     for flag, kind, default in (("--bert_model", str, "bert-large-uncased"), ("--max_seq_length", int, 512),
                                 ("--num_train_epochs", float, 3.0), ("--loss_scale", float, 0.0),
@@ -149,6 +151,8 @@ def validate_args(args, world_size: int) -> tuple:
     for name in ("seed", "keep_last_n_checkpoints"):  # numpy seeds are non-negative; 0 = keep all
         if getattr(args, name) < 0:
             raise InputError(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if not args.collective_timeout_s > 0:
+        raise InputError(f"--collective_timeout_s must be positive, got {args.collective_timeout_s}")
     if not args.data_memory_budget_mb > 0:
         raise InputError(f"--data_memory_budget_mb must be positive, got {args.data_memory_budget_mb}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
@@ -590,7 +594,8 @@ def main(argv=None) -> dict:
 
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo, copies) -> dict:
-    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
+                                                  args.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime.seed_everything(args.seed + rank)
     logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)

@@ -13,11 +13,13 @@ accelerator on first import.
 """
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
 import pickle
 import random
+import re
 import signal
 import socket
 import struct
@@ -61,8 +63,10 @@ def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "hpu")
 
 
-def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1) -> torch.device:
-    """The only place that touches backends, environment variables and DeepSpeed's CPU traps."""
+def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1,
+                                 collective_timeout_s: float = 1800) -> torch.device:
+    """The only place that touches backends, environment variables and DeepSpeed's CPU traps. A collective
+    that waits longer than collective_timeout_s (a rank died or stalled) raises instead of hanging."""
     if "RANK" not in os.environ:  # started without a launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
@@ -86,8 +90,70 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
         # Trap 1: DeepSpeed JIT-compiles a shared-memory op (25-70 s, needs g++ and ninja) in
         # init_distributed on CPU; it only serves inference all-reduce.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend)
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    _default_group_timeout(timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    _JOB["timeout_s"], _JOB["hosts"] = collective_timeout_s, gather_rank_hosts()
     return device
+
+
+# What a rank knows of the job for the message when a collective fails (set once, at initialisation).
+_JOB = {"timeout_s": None, "hosts": []}
+# How gloo reports a peer that died (connection closed or reset, naming its address) or never answered.
+_PEER_GONE = re.compile(r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer)[^\[]*"
+                        r"(?:\[([0-9A-Fa-f.:]+)\])?")
+_TIMED_OUT = re.compile(r"Timed out|timed out|Timeout|timeout")
+
+
+def _default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Trap: DeepSpeed makes its own process groups (ZeRO's data-parallel group is a clone of the world)
+    with new_group() and no timeout; those take torch's module default (30 min), not the timeout given to
+    init_process_group, so a dead peer hung ZeRO's all-reduce for 30 min (measured with gloo)."""
+    import torch.distributed.distributed_c10d as c10d
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
+
+
+def host_label() -> str:
+    """This host as the others can tell it: its name and the address it reaches the master from (names
+    can repeat, e.g. containers)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            address = probe.getsockname()[0]
+    except (OSError, KeyError, ValueError):
+        address = "?"
+    return f"{socket.gethostname()} ({address})"
+
+
+def gather_rank_hosts() -> list:
+    """host_label() of every rank, by rank (one all_gather at start-up)."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_label())
+    return hosts
+
+
+def describe_collective_failure(err: Exception):
+    """One line for a collective that failed because a peer died, stalled or became unreachable; None when
+    `err` is something else."""
+    text = " ".join(str(err).split())
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    gone, timed_out = _PEER_GONE.search(text), _TIMED_OUT.search(text)
+    if not (isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and (gone or timed_out)
+                                                 and ("gloo" in text or "NCCL" in text or "HCCL" in text))):
+        return None
+    rank, hosts = dist.get_rank(), _JOB["hosts"]
+    me = f"rank {rank} on {hosts[rank] if rank < len(hosts) else host_label()}"
+    if gone:
+        address = gone.group(1)
+        peers = [f"rank {r} on {h}" for r, h in enumerate(hosts) if address and f"({address})" in h]
+        who = " or ".join(peers) or (f"the rank at {address}" if address else "another rank")
+        return f"{me}: the connection to {who} broke during a collective: that rank died; the job stops ({one_line(err, 200)})"
+    others = ", ".join(f"rank {r} on {h}" for r, h in enumerate(hosts) if r != rank)
+    return (f"{me}: a collective got no answer within --collective_timeout_s {_JOB['timeout_s']:g} s: another "
+            f"rank died or stalled (the others: {others}); the job stops")
 
 
 def free_port() -> int:
@@ -333,6 +399,14 @@ def run_cli(main, argv, errors: tuple) -> int:
         if not (isinstance(err, InputError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {err}", file=sys.stderr, flush=True)
         status = 1
+    except (RuntimeError, dist.DistError) as err:
+        message = describe_collective_failure(err)
+        if message is None:
+            raise
+        # The process group is broken: leave at once (its teardown could wait on the dead peer).
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     if dist.is_available() and dist.is_initialized() and status == 0:
         dist.barrier()  # else a second rank rarely aborts at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
         dist.destroy_process_group()
