@@ -29,12 +29,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from errors import InputError
+
 REPO_ROOT = Path(__file__).resolve().parent
 CODE_GLOBS = ("*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")  # what every rank runs or reads
 
 
-class PreflightError(ValueError):
-    """A problem found before launch; its text is one line."""
+class PreflightError(InputError):
+    """A problem found before launch; its text is one line (one line per host)."""
 
 
 @dataclass
@@ -86,21 +88,29 @@ def hosts_for_job(hosts: list, num_nodes: int, ngpu_per_node: int, path) -> list
 
 # ============================================================================ batch arithmetic
 
-def batch_arithmetic(path, world_size: int) -> tuple:
-    """(micro-batch, accumulation steps, global batch) of a DeepSpeed JSON at this world size."""
+def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
+    """(micro-batch, accumulation steps, global batch) of a DeepSpeed config at this world size; the
+    driver's check too (runtime.load_deepspeed_config). `source` names the config in the error."""
+    micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+    if not isinstance(micro, int) or not isinstance(total, int) or micro < 1 or total < 1:
+        raise PreflightError(f"{source}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
+    # The global batch is what a recipe fixes: the accumulation steps follow from it on any world size
+    # (a checkpoint resumed on another number of ranks keeps its batch; the driver logs the split).
+    if total % (micro * world_size):
+        raise PreflightError(f"{source}: train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu "
+                             f"{micro} x world size {world_size}: this global batch cannot be kept on {world_size} ranks")
+    gas = total // (micro * world_size)
+    return micro, gas, total
+
+
+def read_batch_arithmetic(path, world_size: int) -> tuple:
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise PreflightError(f"DeepSpeed config {path}: {err}") from err
-    micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
-    if not isinstance(micro, int) or not isinstance(total, int) or micro < 1 or total < 1:
-        raise PreflightError(f"DeepSpeed config {path}: set positive integers train_batch_size and "
-                             "train_micro_batch_size_per_gpu")
-    gas = config.get("gradient_accumulation_steps", total // (micro * world_size))
-    if gas < 1 or micro * gas * world_size != total:
-        raise PreflightError(f"DeepSpeed config {path}: train_batch_size {total} != micro-batch {micro} x "
-                             f"accumulation {gas} x world size {world_size}")
-    return micro, gas, total
+    if not isinstance(config, dict):
+        raise PreflightError(f"DeepSpeed config {path}: not a JSON object")
+    return batch_arithmetic(config, world_size, path)
 
 
 # ============================================================================ what a host must share
@@ -195,7 +205,7 @@ def run_checks(args) -> list:
     if not Path(args.data_dir).is_dir():
         raise PreflightError(f"data directory {args.data_dir} does not exist")
     world = args.num_nodes * args.ngpu_per_node
-    micro, gas, total = batch_arithmetic(args.deepspeed_config, world)
+    micro, gas, total = read_batch_arithmetic(args.deepspeed_config, world)
     report = []
     if args.num_nodes > 1:
         hosts = hosts_for_job(parse_hostfile(args.hostfile), args.num_nodes, args.ngpu_per_node, args.hostfile)

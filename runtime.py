@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from errors import InputError, one_line
+from preflight import batch_arithmetic
 
 try:
     import dllogger
@@ -196,18 +197,10 @@ def read_deepspeed_config(path) -> dict:
 
 
 def check_deepspeed_config(config: dict, world_size: int, path, client_optimizer: str | None = None) -> dict:
-    """Check the batch arithmetic and what a client optimizer (its name, or None when the JSON's
-    optimizer or one that ZeRO supports is used) needs; sets gradient_accumulation_steps."""
-    micro = config.get("train_micro_batch_size_per_gpu")
-    total = config.get("train_batch_size")
-    if not isinstance(micro, int) or not isinstance(total, int) or micro <= 0 or total <= 0:
-        raise InputError(f"{path}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
-    # The global batch is what a recipe fixes: the accumulation steps follow from it on any world size
-    # (a checkpoint resumed on another number of ranks keeps its batch; the driver logs the split).
-    if total % (micro * world_size):
-        raise InputError(f"{path}: train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu "
-                         f"{micro} x world size {world_size}: this global batch cannot be kept on {world_size} ranks")
-    config["gradient_accumulation_steps"] = total // (micro * world_size)
+    """Check the batch arithmetic (preflight.batch_arithmetic, which the launchers' preflight uses too) and
+    what a client optimizer (its name, or None when the JSON's optimizer or one that ZeRO supports is used)
+    needs; sets gradient_accumulation_steps."""
+    _, config["gradient_accumulation_steps"], _ = batch_arithmetic(config, world_size, path)
     zero_stage = config.get("zero_optimization", {}).get("stage", 0)
     if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
         raise InputError(f"{path}: ZeRO with --optimizer {client_optimizer} needs "

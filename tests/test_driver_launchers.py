@@ -235,3 +235,15 @@ def test_launchers_pass_no_flag_that_does_nothing():
     passed = {f"{script.name}: {flag}" for script in scripts for flag in ignored_flags()
               if re.search(rf"{re.escape(flag)}(?![\w-])", script.read_text())}
     assert not passed, passed
+
+
+def test_launchers_run_the_preflight_before_anything_starts(stub_launcher):
+    env, tmp_path = stub_launcher
+    (tmp_path / "hostfile").write_text("10.0.0.1 slots=8\n10.0.0.1 slots=8\n")
+    env.pop("HL_PREFLIGHT")
+    env.update(HL_HOSTSFILE=str(tmp_path / "hostfile"), HL_NUM_NODES="2")
+    result = launch("run_bert_1.5b_32x.sh", env)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: preflight: hostfile {tmp_path / 'hostfile'} line 2: host 10.0.0.1 is "
+                                     "listed twice (first on line 1)")
+    assert not (tmp_path / "args").exists()
