@@ -161,6 +161,31 @@ def test_a_dead_rank_ends_the_job_in_time_and_a_resume_completes(test_hosts, job
     assert (results / "checkpoints" / "latest").read_text().strip() == "60"
 
 
+def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, job):
+    """SIGSTOP of the rank on host 2 (it neither answers nor dies): the rank on host 1 gives up after
+    --collective_timeout_s, in DeepSpeed's own process groups too (they ignored the timeout: 30 min), with
+    the line naming the others. The frozen process itself must be ended from outside (README): SIGKILL."""
+    results, timeout_s = job["root"] / "stalled_rank", 10
+    process, _, _ = start_long_job(test_hosts, job, results, f"--collective_timeout_s={timeout_s}")
+    log = results.parent / "stalled_rank.log"
+    try:
+        wait_for(lambda: steps_logged(results / "dllogger.json") >= 2, process)
+        [rank] = test_hosts.rank_pids(1)
+        os.kill(rank, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: "a collective got no answer" in log.read_text(), process, timeout=timeout_s + 30)
+        elapsed = time.monotonic() - stopped
+        os.kill(rank, signal.SIGKILL)
+        status = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    print(f"the stall was reported {elapsed:.1f} s after SIGSTOP")
+    line = next(line for line in log.read_text().splitlines() if "a collective got no answer" in line)
+    assert f"error: rank 0 on" in line and f"within --collective_timeout_s {timeout_s} s" in line and "rank 1 on" in line
+    assert timeout_s <= elapsed < timeout_s + 15 and status != 0
+
+
 def test_sigterm_to_the_launcher_stops_every_rank_on_every_host_with_a_checkpoint(test_hosts, job):
     """SIGTERM to the launcher on host 1: it signals the ranks on both hosts over pdsh; they agree to stop
     after the same step, save it and exit 0, and so does the launcher (no 30 s SIGKILL, no lost save)."""
