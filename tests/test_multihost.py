@@ -60,10 +60,10 @@ def losses(dllogger_json) -> dict:
 
 
 def steps_of_each_run(dllogger_json) -> list:
-    """The steps each run logged, one list per run (a run's records start with its PARAMETER record)."""
-    runs = []
+    """The steps each run logged, one list per run (a run's records start with its PARAMETER records)."""
+    runs = [[]]
     for record in helpers.read_dllogger(dllogger_json):
-        if record.get("step") == "PARAMETER":
+        if record.get("step") == "PARAMETER" and runs[-1]:
             runs.append([])
         elif record.get("type") == "LOG" and "step_loss" in record["data"]:
             runs[-1].append(record["step"][1])
