@@ -18,6 +18,7 @@ namespaces; it runs even when setup or a test fails.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,6 +87,16 @@ def run(command, **kwargs):
     return result.stdout
 
 
+def remove_leftovers():
+    """Delete the empty namespaces of earlier test sessions whose process is gone (a session killed
+    before its teardown, e.g. by a timeout, leaves them behind)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
+        match = re.fullmatch(r"hl(\d+)(?:h\d+|sw)", name)
+        if match and not Path(f"/proc/{match.group(1)}").exists() and not TestHosts.pids(name):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 class TestHosts:
     """`count` hosts 10.200.0.1..count; use as a context manager (teardown on exit)."""
 
@@ -103,6 +114,7 @@ class TestHosts:
 
     # ---------------------------------------------------------------- setup and teardown
     def __enter__(self):
+        remove_leftovers()
         try:
             self._make_network()
             self._make_keys()
