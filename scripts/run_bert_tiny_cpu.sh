@@ -81,7 +81,9 @@ PY
 
 echo "== training phase $PHASE: 2 CPU ranks, ZeRO-1, bf16, LANS, $MAX_STEPS steps"
 # Two ranks share the two cores: one thread each (the deepspeed launcher does not set it).
-export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu
+# Unbuffered output: each rank writes its lines as they come, so two ranks sharing the terminal cannot cut
+# into the middle of each other's buffered blocks (as "python -u" does in the launchers).
+export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
 command=(deepspeed --num_gpus 2 --no_local_rank --master_port "${MASTER_PORT:-29500}" run_pretraining.py
          --no_cuda --disable_progress_bar --optimizer lans --use_lr_scheduler
          --config_file scripts/bert_tiny_config.json --deepspeed --deepspeed_config "$ds_config"
