@@ -119,3 +119,23 @@ def test_writer_with_no_rows_writes_an_empty_shard(tmp_path):
     with ShardWriter(tmp_path / "s.hdf5", 8, 2):
         pass
     assert read_shard_header(tmp_path / "s.hdf5") == (0, 8, 2)
+
+
+def test_chunks_compressed_by_the_writer_decode_through_hdf5s_own_filters(tmp_path):
+    """The writer shuffles and deflates chunks itself; HDF5's shuffle + gzip filters must read back every
+    value, over many chunks, a partial last chunk and the full int32 range of token ids."""
+    rng = np.random.default_rng(1)
+    rows, seq_len, max_pred = 5000, 128, 20
+    widths = {"seq_len": (seq_len,), "max_pred": (max_pred,), None: ()}
+    data = {}
+    for key, (dtype, _, dim_name) in SHARD_KEYS.items():
+        info = np.iinfo(dtype)
+        data[key] = rng.integers(info.min, info.max, (rows,) + widths[dim_name], endpoint=True, dtype=dtype)
+    with ShardWriter(tmp_path / "s.hdf5", seq_len, max_pred) as writer:
+        for start in range(0, rows, 777):
+            writer.append({key: value[start:start + 777] for key, value in data.items()})
+    with h5py.File(tmp_path / "s.hdf5", "r") as f:
+        assert f["input_ids"].chunks[0] < rows and rows % f["input_ids"].chunks[0]  # several chunks, a partial last
+        assert all(f[key].compression == "gzip" and f[key].shuffle for key in SHARD_KEYS)
+        for key in SHARD_KEYS:
+            np.testing.assert_array_equal(f[key][:], data[key])
