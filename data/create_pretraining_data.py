@@ -33,6 +33,7 @@ import itertools
 import multiprocessing
 import os
 import random
+import re
 import sys
 import tempfile
 from contextlib import nullcontext
@@ -51,7 +52,11 @@ from errors import InputError  # noqa: E402
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time
-TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the tokenizer's per-token Encoding objects
+TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the per-word lists and the tokenizer's Encoding objects
+WORD_CACHE_LIMIT = 300_000  # distinct words whose pieces are kept (a few tens of MB)
+# BERT's pre-tokenization of printable ASCII: runs of letters/digits, every other non-space character
+# alone; a line end is a word of its own (row 0 of the piece table)
+PLAIN_WORD = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \n]|\n")
 MASK_BATCH_ROWS = 4096  # instances assembled and masked per numpy batch
 
 
@@ -117,25 +122,84 @@ def read_document_blocks(path, block_chars):
         raise InputError(f"{path}: no text (empty input)")
 
 
+def ragged_gather(values, starts, lengths):
+    """The concatenation of values[start:start + length] for each (start, length), in order."""
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    return values[np.repeat(starts - (ends - lengths), lengths) + np.arange(total)]
+
+
 class WordPieceEncoder:
-    """WordPiece ids of text lines: BERT's BasicTokenizer + WordPiece through Hugging Face tokenizers."""
+    """WordPiece ids of text lines: BERT's BasicTokenizer + WordPiece through Hugging Face tokenizers.
+
+    Most lines are printable ASCII once BERT's normaliser has run (lower-casing and accent stripping
+    for an uncased vocab). Such a line splits into words exactly as BERT's pre-tokenizer splits it
+    (runs of letters/digits, each other character alone), and WordPiece maps a word to the same
+    pieces wherever it stands, so the pieces of each distinct word are computed once and looked up:
+    a regex split and a dictionary lookup per word instead of Hugging Face's per-token objects. The
+    other lines go through the full tokenizer.
+    """
 
     def __init__(self, vocab_file, do_lower_case):
         self.full, self.vocab_size, self.special = load_tokenizer(vocab_file, do_lower_case)
         self.plain = load_tokenizer(vocab_file, do_lower_case, plain_ascii=True)[0]
         self.do_lower_case = do_lower_case
+        self._clear_word_cache()
+
+    def _clear_word_cache(self):
+        # word -> row of the piece table; row 0 is the line end, with no pieces
+        self.word_rows = {"\n": 0}
+        self.piece_starts, self.piece_counts = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        self.pieces = np.zeros(0, np.int32)
+
+    def _learn_words(self, words):
+        """Add the pieces of the words not yet in the table (emptied first when it grew too large)."""
+        if len(self.word_rows) > WORD_CACHE_LIMIT:
+            self._clear_word_cache()
+        new = list(set(words).difference(self.word_rows))
+        if not new:
+            return
+        ids = [encoding.ids for encoding in self.plain.encode_batch_fast(new, add_special_tokens=False)]
+        counts = np.fromiter(map(len, ids), np.int64, count=len(ids))
+        self.word_rows.update(zip(new, range(len(self.piece_counts), len(self.piece_counts) + len(new))))
+        self.piece_starts = np.concatenate([self.piece_starts, len(self.pieces) + np.cumsum(counts) - counts])
+        self.piece_counts = np.concatenate([self.piece_counts, counts])
+        self.pieces = np.concatenate([self.pieces, np.fromiter(itertools.chain.from_iterable(ids), np.int32)])
+
+    def _encode_plain(self, lines):
+        """(flat ids, ids per line) of printable ASCII lines, by the word table."""
+        words = PLAIN_WORD.findall("\n".join(lines) + "\n")
+        self._learn_words(words)
+        rows = np.fromiter(map(self.word_rows.__getitem__, words), np.int64, count=len(words))
+        counts = self.piece_counts[rows]
+        line_ends = np.cumsum(counts)[rows == 0]
+        return ragged_gather(self.pieces, self.piece_starts[rows], counts), np.diff(line_ends, prepend=0)
+
+    def _encode_full(self, lines):
+        """(flat ids, ids per line) through the full tokenizer."""
+        ids = [encoding.ids for encoding in self.full.encode_batch_fast(lines, add_special_tokens=False)]
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32)
+        return flat, np.fromiter(map(len, ids), np.int64, count=len(ids))
 
     def encode_lines(self, lines):
-        """Id lists of lines, in order. Printable ASCII lines (most English text) are lower-cased by
-        Python and skip the normalizer, a fifth of the tokenizer's time."""
-        is_plain = [line.isascii() and line.isprintable() for line in lines]
-        ids = [None] * len(lines)
-        for plain, tokenizer in ((True, self.plain), (False, self.full)):
-            index = [i for i, flag in enumerate(is_plain) if flag is plain]
-            batch = [lines[i].lower() if plain and self.do_lower_case else lines[i] for i in index]
-            for i, encoding in zip(index, tokenizer.encode_batch_fast(batch, add_special_tokens=False)):
-                ids[i] = encoding.ids
-        return ids
+        """(flat int32 ids of the lines in order, int64 number of ids of each line)."""
+        normalize = self.full.normalizer.normalize_str
+        texts, is_plain = [], np.ones(len(lines), bool)
+        for index, line in enumerate(lines):
+            if not (line.isascii() and line.isprintable()):
+                line = normalize(line)
+                is_plain[index] = line.isascii() and line.isprintable()
+            texts.append(line.lower() if self.do_lower_case else line)
+        if is_plain.all():
+            return self._encode_plain(texts)
+        plain_ids, plain_counts = self._encode_plain([t for t, p in zip(texts, is_plain) if p])
+        full_ids, full_counts = self._encode_full([line for line, p in zip(lines, is_plain) if not p])
+        counts = np.zeros(len(lines), np.int64)
+        counts[is_plain], counts[~is_plain] = plain_counts, full_counts
+        source_starts = np.zeros(len(lines), np.int64)  # where each line's ids start in plain + full ids
+        source_starts[is_plain] = np.cumsum(plain_counts) - plain_counts
+        source_starts[~is_plain] = len(plain_ids) + np.cumsum(full_counts) - full_counts
+        return ragged_gather(np.concatenate([plain_ids, full_ids]), source_starts, counts), counts
 
 
 def tokenize_documents(encoder, documents):
@@ -144,13 +208,13 @@ def tokenize_documents(encoder, documents):
     Lines that tokenize to nothing are dropped, then documents left without segments.
     """
     lines = [line for document in documents for line in document]
-    id_chunks, lengths = [], []
+    id_chunks, count_chunks = [], []
     for start in range(0, len(lines), TOKENIZE_BATCH_LINES):
-        ids = encoder.encode_lines(lines[start:start + TOKENIZE_BATCH_LINES])
-        lengths.extend(map(len, ids))
-        id_chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32))
+        ids, counts = encoder.encode_lines(lines[start:start + TOKENIZE_BATCH_LINES])
+        id_chunks.append(ids)
+        count_chunks.append(counts)
     flat = np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.int32)
-    ends = np.cumsum(lengths).tolist()
+    ends = np.cumsum(np.concatenate(count_chunks) if count_chunks else np.zeros(0, np.int64)).tolist()
     boundaries, line_index = [], 0
     for document in documents:
         bounds = [ends[line_index - 1] if line_index else 0]

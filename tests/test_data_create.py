@@ -78,15 +78,26 @@ def shard(corpus, tmp_path_factory):
     return read_shard(out)
 
 
-def test_tokenization_matches_bert_basic_and_wordpiece(corpus):
+@pytest.mark.parametrize("word_cache_limit", [300_000, 50])
+def test_tokenization_matches_bert_basic_and_wordpiece(corpus, monkeypatch, word_cache_limit):
+    """Line by line against the pure-Python tokenizer; the same encoder twice (its word table filled, or
+    emptied and refilled when a small limit is passed), in batches mixing ASCII and other lines."""
+    from data import create_pretraining_data
+
+    monkeypatch.setattr(create_pretraining_data, "WORD_CACHE_LIMIT", word_cache_limit)
     lines = [line for doc in corpus[1] for line in doc][:1500]
     lines += ["Naïve CAFÉ in 東京 costs ½ €; e-mail: a.b@c.org", "x" * 150 + " ok",
-              "\u00adsoft\u200b zero-width\x07"]
-    lines += ["Tab\tseparated WORDS", "ÀÉÎÕÜ àéîõü", "plain ASCII, with (punctuation) & 123,456.78!"]
+              "\u00adsoft\u200b zero-width\x07", "", "!!", "a\u00a0b – “quoted” ﬁne Ⅻ"]
+    lines += ["Tab\tseparated WORDS", "ÀÉÎÕÜ àéîõü", "plain ASCII, with (punctuation) & 123,456.78!",
+              "Crème brûlée at the café, naïvely", "under_score ~tilde~ `back` {brace} [x] a|b \\ ^"]
     for lower_case in (True, False):
         reference = legacy_tokenizer(lower_case)
         expected = [reference.convert_tokens_to_ids(reference.tokenize(line)) for line in lines]
-        assert WordPieceEncoder(VOCAB, lower_case).encode_lines(lines) == expected
+        encoder = WordPieceEncoder(VOCAB, lower_case)
+        for order in (slice(None), slice(None, None, -1), slice(-7, None)):
+            ids, counts = encoder.encode_lines(lines[order])
+            assert ids.dtype == np.int32 and counts.sum() == len(ids)
+            assert [a.tolist() for a in np.split(ids, np.cumsum(counts)[:-1])] == expected[order]
 
 
 def test_truncation_matches_the_token_by_token_loop():
