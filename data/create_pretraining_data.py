@@ -291,44 +291,70 @@ def truncate_pairs(specs, max_num_tokens, np_rng):
 
 
 def assemble_batch(flat, specs, seq_len, special):
-    """Token matrix [CLS] A [SEP] B [SEP] + padding, segment ids, input mask, and sequence lengths."""
-    a_start, a_len, b_start, b_len = (specs[:, k:k + 1] for k in range(4))
+    """Token matrix [CLS] A [SEP] B [SEP] + padding, segment ids, input mask, and sequence lengths.
+
+    The real tokens of all rows are gathered in one pass (A with one neighbour on each side, B with
+    the token after it, then [CLS]/[SEP] written over the neighbours) and scattered into the matrix.
+    """
+    a_start, a_len, b_start, b_len = (specs[:, k] for k in range(4))
+    seq_length = a_len + b_len + 3
+    starts = np.stack([a_start - 1, b_start], axis=1).ravel()
+    lengths = np.stack([a_len + 2, b_len + 1], axis=1).ravel()
+    ends = np.cumsum(lengths)
+    # mode="clip": the neighbours of a range at either end of the block are clipped inside it
+    tokens = flat.take(np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1]), mode="clip")
     column = np.arange(seq_len)[None, :]
-    b_first = a_len + 2
-    seq_length = b_first + b_len + 1
+    real = column < seq_length[:, None]
     input_ids = np.zeros((len(specs), seq_len), dtype=np.int32)
-    in_a = (column >= 1) & (column <= a_len)
-    in_b = (column >= b_first) & (column < seq_length - 1)
-    input_ids[in_a] = flat.take((a_start + column - 1)[in_a])
-    input_ids[in_b] = flat.take((b_start + column - b_first)[in_b])
+    input_ids[real] = tokens
+    rows = np.arange(len(specs))
     input_ids[:, 0] = special["[CLS]"]
-    input_ids[(column == a_len + 1) | (column == seq_length - 1)] = special["[SEP]"]
-    segment_ids = ((column >= b_first) & (column < seq_length)).astype(np.int8)
-    input_mask = (column < seq_length).astype(np.int8)
-    return input_ids, segment_ids, input_mask, seq_length[:, 0]
+    input_ids[rows, a_len + 1] = special["[SEP]"]
+    input_ids[rows, seq_length - 1] = special["[SEP]"]
+    segment_ids = (real & (column >= (a_len + 2)[:, None])).view(np.int8)
+    return input_ids, segment_ids, real.view(np.int8), seq_length
 
 
-def mask_batch(input_ids, segment_ids, seq_length, settings, vocab_size, special, np_rng):
+def choose_candidates(num_candidates, num_to_predict, np_rng):
+    """Per row a uniformly random set of num_to_predict of the candidate indices 0..num_candidates-1:
+    Floyd's algorithm, one step for all rows at a time. Returns (rows, max count) sorted indices,
+    unused slots (rows choosing fewer) last and equal to num_candidates.max()."""
+    rows, most = len(num_candidates), int(num_to_predict.max())
+    limit = int(num_candidates.max())
+    taken = np.zeros((rows, limit + 1), dtype=bool)
+    chosen = np.full((rows, most), limit)
+    uniform = np_rng.random((most, rows))
+    row_index = np.arange(rows)
+    for step in range(most):
+        # Floyd: for j = n - k .. n - 1, draw t in [0, j]; take t, or j if t is already taken
+        j = num_candidates - most + step
+        active = row_index[step >= most - num_to_predict]
+        j = j[active]
+        t = (uniform[step, active] * (j + 1)).astype(np.int64)
+        pick = np.where(taken[active, t], j, t)
+        taken[active, pick] = True
+        chosen[active, step] = pick
+    return np.sort(chosen, axis=1)
+
+
+def mask_batch(input_ids, a_len, seq_length, settings, vocab_size, special, np_rng):
     """Google's masking, vectorised: returns (masked_lm_positions, masked_lm_ids); edits input_ids.
 
     Candidates are all real tokens but [CLS] and the two [SEP]s. A row masks
-    min(max_pred, max(1, round(len * masked_lm_prob))) of them, chosen uniformly (smallest random
-    keys); each becomes [MASK] (80%), stays (10%) or a token drawn from the whole vocab (10%).
+    min(max_pred, max(1, round(len * masked_lm_prob))) of them, chosen uniformly; each becomes
+    [MASK] (80%), stays (10%) or a token drawn from the whole vocab (10%).
     """
-    rows, seq_len = input_ids.shape
+    rows = len(input_ids)
     max_pred = settings.max_predictions_per_seq
-    column = np.arange(seq_len)[None, :]
-    first_sep = np.argmax(segment_ids, axis=1)[:, None] - 1
-    candidate = (column >= 1) & (column < seq_length[:, None] - 1) & (column != first_sep)
+    num_candidates = seq_length - 3
     num_to_predict = np.minimum(max_pred, np.maximum(1, np.round(seq_length * settings.masked_lm_prob)))
-    num_to_predict = np.minimum(num_to_predict, candidate.sum(axis=1)).astype(np.int64)
-    keys = np.where(candidate, np_rng.random((rows, seq_len)), 2.0)
-    smallest = np.argpartition(keys, max_pred - 1, axis=1)[:, :max_pred]
-    chosen = np.take_along_axis(smallest, np.argsort(np.take_along_axis(keys, smallest, 1), axis=1), 1)
-    used = np.arange(max_pred)[None, :] < num_to_predict[:, None]
-    positions = np.sort(np.where(used, chosen, seq_len), axis=1)  # unused slots sort last
-    used = positions < seq_len
-    positions[~used] = 0
+    num_to_predict = np.minimum(num_to_predict, num_candidates).astype(np.int64)
+    chosen = choose_candidates(num_candidates, num_to_predict, np_rng)
+    used = np.arange(chosen.shape[1])[None, :] < num_to_predict[:, None]
+    positions = np.zeros((rows, max_pred), dtype=np.int64)
+    # candidate c is column c + 1 in A, c + 2 in B (after the first [SEP])
+    positions[:, :chosen.shape[1]] = np.where(used, chosen + 1 + (chosen >= a_len[:, None]), 0)
+    used = np.pad(used, ((0, 0), (0, max_pred - used.shape[1])))
     row_index = np.broadcast_to(np.arange(rows)[:, None], positions.shape)
     labels = np.where(used, input_ids[row_index, positions], 0).astype(np.int32)
     choice = np_rng.random((rows, max_pred))
@@ -357,7 +383,7 @@ def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
     for start in range(0, len(specs), MASK_BATCH_ROWS):
         batch = specs[start:start + MASK_BATCH_ROWS]
         input_ids, segment_ids, input_mask, seq_length = assemble_batch(flat, batch, settings.max_seq_length, special)
-        positions, labels = mask_batch(input_ids, segment_ids, seq_length, settings, vocab_size, special, np_rng)
+        positions, labels = mask_batch(input_ids, batch[:, 1], seq_length, settings, vocab_size, special, np_rng)
         writer.append({"input_ids": input_ids, "input_mask": input_mask, "segment_ids": segment_ids,
                        "masked_lm_positions": positions, "masked_lm_ids": labels,
                        "next_sentence_labels": batch[:, 4].astype(np.int8)})

@@ -3,6 +3,7 @@
 Independent references: transformers' pure-Python BERT tokenizer (BasicTokenizer + WordPiece),
 a literal token-by-token truncation loop, and Python's round() for the number of predictions.
 """
+import collections
 import gzip
 import os
 import random
@@ -18,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data.create_pretraining_data import WordPieceEncoder, document_instances, truncate_pairs
+from data.create_pretraining_data import WordPieceEncoder, choose_candidates, document_instances, truncate_pairs
 from data.shard_format import SHARD_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -235,6 +236,29 @@ def follows(a_at, b_at, a_len):
     """B starts after A ends, at most the truncated tokens later, in the same document."""
     return any(0 <= q - (p + a_len) <= SEQ_LEN for doc in a_at.keys() & b_at.keys()
                for p in a_at[doc] for q in b_at[doc])
+
+
+def test_masked_positions_are_a_uniformly_random_subset():
+    """Every k-subset of the candidates equally likely (chi-square against the uniform counts), for
+    rows of different sizes in one call; a row never repeats a candidate and unused slots come last."""
+    import itertools
+
+    rng = np.random.default_rng(7)
+    sizes = [(5, 2), (6, 3), (4, 1), (7, 7)]
+    rows = 12_000
+    num_candidates = np.array([n for n, _ in sizes] * rows)
+    num_to_predict = np.array([k for _, k in sizes] * rows)
+    chosen = choose_candidates(num_candidates, num_to_predict, rng)
+    assert chosen.shape == (len(num_candidates), 7)
+    for index, (n, k) in enumerate(sizes):
+        picks = chosen[index::len(sizes)]
+        assert (picks[:, k:] == 7).all() and (np.diff(picks[:, :k], axis=1) > 0).all() and picks[:, :k].max() < n
+        subsets = list(itertools.combinations(range(n), k))
+        counts = collections.Counter(map(tuple, picks[:, :k].tolist()))
+        assert set(counts) <= set(subsets)
+        expected = rows / len(subsets)
+        chi2 = sum((counts[subset] - expected) ** 2 / expected for subset in subsets)
+        assert chi2 <= max(1.0, 3 * len(subsets)), (n, k, chi2)  # df = subsets - 1; a bias of a few % fails
 
 
 def test_sentence_pairs_come_from_the_text(shard, corpus):
