@@ -152,13 +152,8 @@ class WordPieceEncoder:
         self.piece_starts, self.piece_counts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self.pieces = np.zeros(0, np.int32)
 
-    def _learn_words(self, words):
-        """Add the pieces of the words not yet in the table (emptied first when it grew too large)."""
-        if len(self.word_rows) > WORD_CACHE_LIMIT:
-            self._clear_word_cache()
-        new = list(set(words).difference(self.word_rows))
-        if not new:
-            return
+    def _learn_words(self, new):
+        """Add the pieces of these distinct words, not yet in the table."""
         ids = [encoding.ids for encoding in self.plain.encode_batch_fast(new, add_special_tokens=False)]
         counts = np.fromiter(map(len, ids), np.int64, count=len(ids))
         self.word_rows.update(zip(new, range(len(self.piece_counts), len(self.piece_counts) + len(new))))
@@ -166,11 +161,22 @@ class WordPieceEncoder:
         self.piece_counts = np.concatenate([self.piece_counts, counts])
         self.pieces = np.concatenate([self.pieces, np.fromiter(itertools.chain.from_iterable(ids), np.int32)])
 
+    def _word_rows(self, words):
+        """Rows of the words in the piece table, learning the missing ones (the table is emptied first
+        when it has grown too large)."""
+        if len(self.word_rows) > WORD_CACHE_LIMIT:
+            self._clear_word_cache()
+        rows = np.fromiter(map(self.word_rows.get, words, itertools.repeat(-1)), np.int64, count=len(words))
+        missing = np.flatnonzero(rows < 0)
+        if len(missing):
+            self._learn_words(list({words[i] for i in missing.tolist()}))
+            rows[missing] = [self.word_rows[words[i]] for i in missing.tolist()]
+        return rows
+
     def _encode_plain(self, lines):
         """(flat ids, ids per line) of printable ASCII lines, by the word table."""
         words = PLAIN_WORD.findall("\n".join(lines) + "\n")
-        self._learn_words(words)
-        rows = np.fromiter(map(self.word_rows.__getitem__, words), np.int64, count=len(words))
+        rows = self._word_rows(words)
         counts = self.piece_counts[rows]
         line_ends = np.cumsum(counts)[rows == 0]
         return ragged_gather(self.pieces, self.piece_starts[rows], counts), np.diff(line_ends, prepend=0)
