@@ -8,7 +8,8 @@ longer side at a random end, ``[CLS] A [SEP] B [SEP]``, 80/10/10 masking capped 
 
 What differs from the reference, and why:
 - Memory is bounded: documents are read in blocks of about ``--block_chars`` characters (and at
-  least two documents) and each block is processed on its own. The random-next document, the document shuffle and the instance
+  least two documents) and each block is processed on its own; a document longer than that (and
+  than a million characters) is cut between lines into parts of that size, each taken as a document. The random-next document, the document shuffle and the instance
   shuffle are therefore drawn within a block (thousands of Wikipedia articles at the default size)
   instead of within the whole shard; otherwise the reference keeps every instance of a shard in RAM.
 - Each shard gets its own seed, derived from ``--random_seed`` and the shard's file name.
@@ -52,6 +53,8 @@ from errors import InputError  # noqa: E402
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time
+MAX_LINE_CHARS = 1 << 22  # a longer line is an error (a line is tokenized at once: memory)
+MIN_DOCUMENT_CUT_CHARS = 1 << 20  # documents are cut at --block_chars characters, but not shorter than this
 TOKENIZE_BATCH_LINES = 20_000  # bounds the size of the per-word lists and the tokenizer's Encoding objects
 WORD_CACHE_LIMIT = 300_000  # distinct words whose pieces are kept (a few tens of MB)
 # BERT's pre-tokenization of printable ASCII: runs of letters/digits, every other non-space character
@@ -66,16 +69,18 @@ def derive_seed(random_seed, shard_name):
     return int.from_bytes(digest[:8], "little")
 
 
-def read_documents(path):
-    """Yield the documents (lists of stripped non-empty lines) of a text file.
+def read_documents(path, max_document_chars):
+    """Yield the documents (lists of stripped non-empty lines) of a text file; a document reaching
+    max_document_chars is cut there (between lines), so that memory stays bounded.
 
     Reads large chunks and groups lines with C-level helpers (a per-line Python loop was a tenth
-    of the run time). Raises InputError for binary or non-UTF-8 input.
+    of the run time). Raises InputError for binary or non-UTF-8 input or a line of more than
+    MAX_LINE_CHARS characters.
     """
     with open(path, "rb") as f:
         if b"\0" in f.read(1 << 16):
             raise InputError(f"{path}: binary data (NUL bytes), not text")
-    current = []
+    current, size = [], 0
     try:
         with open(path, encoding="utf-8", errors="strict") as f:
             tail = ""
@@ -85,12 +90,23 @@ def read_documents(path):
                     raise InputError(f"{path}: binary data (NUL bytes), not text")
                 lines = (tail + chunk).split("\n")
                 tail = lines.pop() if chunk else ""  # the last piece may be an incomplete line
+                if len(tail) > MAX_LINE_CHARS:
+                    raise InputError(f"{path}: a line of more than {MAX_LINE_CHARS} characters; expected "
+                                     "one sentence or paragraph per line")
                 for has_text, group in itertools.groupby((line.strip() for line in lines), key=bool):
                     if has_text:
+                        group = list(group)
                         current.extend(group)
+                        size += sum(map(len, group))
+                        while size >= max_document_chars:  # cut where the document reaches the limit
+                            totals = itertools.accumulate(map(len, current))
+                            cut = next(i for i, total in enumerate(totals, 1) if total >= max_document_chars)
+                            yield current[:cut]
+                            current = current[cut:]
+                            size = sum(map(len, current))
                     elif current:  # a blank line ends the current document
                         yield current
-                        current = []
+                        current, size = [], 0
                 if not chunk:
                     break
     except UnicodeDecodeError as err:
@@ -106,7 +122,7 @@ def read_document_blocks(path, block_chars):
     Raises InputError for binary, non-UTF-8 or text-free input.
     """
     held, documents, size = None, [], 0
-    for document in read_documents(path):
+    for document in read_documents(path, max(block_chars, MIN_DOCUMENT_CUT_CHARS)):
         documents.append(document)
         size += sum(map(len, document))
         if size >= block_chars and len(documents) >= 2:
@@ -455,7 +471,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--n_processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--block_chars", type=int, default=16_000_000,
                         help="characters of text processed at a time (bounds memory; random-next "
-                             "documents and the shuffles are drawn within such a block)")
+                             "documents and the shuffles are drawn within such a block; a longer document, "
+                             "and longer than 1 M characters, is cut)")
     parser.add_argument("--overwrite", action="store_true", help="rebuild shards that already exist")
     parser.add_argument("--s3_endpoint_url", default=None, help="S3-compatible endpoint for s3:// inputs or "
                         "outputs (default: AWS_ENDPOINT_URL, else AWS)")

@@ -404,6 +404,26 @@ def test_blocks_hold_at_least_two_documents(tmp_path, sizes, block_chars, expect
     assert [doc for block in blocks for doc in block] == documents
 
 
+def test_a_long_document_is_cut_and_an_endless_line_refused(monkeypatch, tmp_path):
+    """Memory stays bounded whatever the input: a document is cut between lines once it reaches
+    block_chars, and a line longer than MAX_LINE_CHARS is one clear error."""
+    from data import create_pretraining_data
+    from errors import InputError
+
+    lines = [f"line {i} " + "x" * 20 for i in range(40)]  # 40 lines of 27 or 28 characters, one document
+    write_corpus(tmp_path / "in.txt", [lines])
+    for read_chars in (5, 1 << 22):
+        monkeypatch.setattr(create_pretraining_data, "READ_CHARS", read_chars)
+        documents = list(create_pretraining_data.read_documents(tmp_path / "in.txt", 100))
+        assert [line for document in documents for line in document] == lines
+        assert [len(document) for document in documents] == [4] * 10  # cut as soon as 100 characters are reached
+    monkeypatch.setattr(create_pretraining_data, "MAX_LINE_CHARS", 50)
+    (tmp_path / "long.txt").write_text("short line\n" + "y" * 60 + " no end", encoding="utf-8")
+    monkeypatch.setattr(create_pretraining_data, "READ_CHARS", 16)
+    with pytest.raises(InputError, match="a line of more than 50 characters"):
+        list(create_pretraining_data.read_documents(tmp_path / "long.txt", 1000))
+
+
 def test_small_blocks_still_give_half_random_next(corpus, tmp_path):
     run_script("--input_file", corpus[0], "--output_file", tmp_path / "s.hdf5", "--block_chars", 1,
                "--dupe_factor", 3)
