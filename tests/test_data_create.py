@@ -165,6 +165,43 @@ def test_short_seq_prob_shortens_the_target_length():
     assert mean_length[1.0] < 0.75 * mean_length[0.0]
 
 
+def google_instance_count(segment_lengths, max_num_tokens, short_seq_prob, rng):
+    """Instances Google's create_instances_from_document makes of one document, its loop written out
+    literally on segment lengths (the random document and B's tokens do not change the count)."""
+    target = rng.randint(2, max_num_tokens) if rng.random() < short_seq_prob else max_num_tokens
+    count, chunk, length, i = 0, [], 0, 0
+    while i < len(segment_lengths):
+        chunk.append(segment_lengths[i])
+        length += segment_lengths[i]
+        if i == len(segment_lengths) - 1 or length >= target:
+            a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+            if len(chunk) == 1 or rng.random() < 0.5:
+                i -= len(chunk) - a_end  # random next: put the unused segments back
+            count += 1
+            chunk, length = [], 0
+        i += 1
+    return count
+
+
+@pytest.mark.parametrize("max_num_tokens, short_seq_prob", [(125, 0.1), (509, 0.1), (40, 0.5)])
+def test_instances_per_document_match_googles_loop(max_num_tokens, short_seq_prob):
+    """The same yield as the reference: mean instances per document over many seeds, ours against the
+    literal loop, within four standard errors (different random streams, so only in distribution)."""
+    documents = toy_documents(60, seed=11)
+    documents += [[0] + np.cumsum(np.full(300, 25)).tolist()]  # one long document, as a book
+    ours, google = [], []
+    for seed in range(300):
+        specs, rng = [], random.Random(seed)
+        for doc_index in range(len(documents)):
+            document_instances(doc_index, documents, max_num_tokens, short_seq_prob, rng, specs)
+        ours.append(len(specs))
+        rng = random.Random(10_000 + seed)
+        google.append(sum(google_instance_count(np.diff(bounds).tolist(), max_num_tokens, short_seq_prob, rng)
+                          for bounds in documents))
+    error = np.sqrt((np.var(ours) + np.var(google)) / len(ours))
+    assert abs(np.mean(ours) - np.mean(google)) < 4 * error, (np.mean(ours), np.mean(google), error)
+
+
 def test_truncation_cuts_front_and_back_equally_often():
     specs = np.tile(np.array([[1000, 100, 5000, 100, 0]], dtype=np.int64), (4000, 1))
     truncate_pairs(specs, 100, np.random.default_rng(11))
