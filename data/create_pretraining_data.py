@@ -40,8 +40,10 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
-from tqdm import tqdm
+if __name__ == "__main__":  # run as a tool: it uses no BLAS, and OpenBLAS's thread pool costs CPU at start-up
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -169,13 +171,14 @@ class WordPieceEncoder:
         self.pieces = np.zeros(0, np.int32)
 
     def _learn_words(self, new):
-        """Add the pieces of these distinct words, not yet in the table."""
-        ids = [encoding.ids for encoding in self.plain.encode_batch_fast(new, add_special_tokens=False)]
-        counts = np.fromiter(map(len, ids), np.int64, count=len(ids))
+        """Add the pieces of these distinct words, not yet in the table (one encoding of them all,
+        space-separated: each is one pre-tokenizer word)."""
+        encoding = self.plain.encode(" ".join(new), add_special_tokens=False)
+        counts = np.bincount(np.array(encoding.word_ids, dtype=np.int64), minlength=len(new))
         self.word_rows.update(zip(new, range(len(self.piece_counts), len(self.piece_counts) + len(new))))
         self.piece_starts = np.concatenate([self.piece_starts, len(self.pieces) + np.cumsum(counts) - counts])
         self.piece_counts = np.concatenate([self.piece_counts, counts])
-        self.pieces = np.concatenate([self.pieces, np.fromiter(itertools.chain.from_iterable(ids), np.int32)])
+        self.pieces = np.concatenate([self.pieces, np.array(encoding.ids, dtype=np.int32)])
 
     def _word_rows(self, words):
         """Rows of the words in the piece table, learning the missing ones (the table is emptied first
@@ -183,15 +186,17 @@ class WordPieceEncoder:
         if len(self.word_rows) > WORD_CACHE_LIMIT:
             self._clear_word_cache()
         rows = np.fromiter(map(self.word_rows.get, words, itertools.repeat(-1)), np.int64, count=len(words))
-        missing = np.flatnonzero(rows < 0)
-        if len(missing):
-            self._learn_words(list({words[i] for i in missing.tolist()}))
-            rows[missing] = [self.word_rows[words[i]] for i in missing.tolist()]
+        missing = np.flatnonzero(rows < 0).tolist()
+        if missing:
+            self._learn_words(list(set(map(words.__getitem__, missing))))
+            rows[missing] = np.fromiter(map(self.word_rows.__getitem__, map(words.__getitem__, missing)),
+                                        np.int64, count=len(missing))
         return rows
 
     def _encode_plain(self, lines):
         """(flat ids, ids per line) of printable ASCII lines, by the word table."""
-        words = PLAIN_WORD.findall("\n".join(lines) + "\n")
+        text = "\n".join(lines) + "\n"
+        words = PLAIN_WORD.findall(text.lower() if self.do_lower_case else text)
         rows = self._word_rows(words)
         counts = self.piece_counts[rows]
         line_ends = np.cumsum(counts)[rows == 0]
@@ -205,13 +210,10 @@ class WordPieceEncoder:
 
     def encode_lines(self, lines):
         """(flat int32 ids of the lines in order, int64 number of ids of each line)."""
-        normalize = self.full.normalizer.normalize_str
-        texts, is_plain = [], np.ones(len(lines), bool)
-        for index, line in enumerate(lines):
-            if not (line.isascii() and line.isprintable()):
-                line = normalize(line)
-                is_plain[index] = line.isascii() and line.isprintable()
-            texts.append(line.lower() if self.do_lower_case else line)
+        texts, is_plain = list(lines), np.ones(len(lines), bool)
+        for index in [i for i, line in enumerate(lines) if not (line.isascii() and line.isprintable())]:
+            texts[index] = self.full.normalizer.normalize_str(lines[index])
+            is_plain[index] = texts[index].isascii() and texts[index].isprintable()
         if is_plain.all():
             return self._encode_plain(texts)
         plain_ids, plain_counts = self._encode_plain([t for t, p in zip(texts, is_plain) if p])
@@ -318,13 +320,14 @@ def assemble_batch(flat, specs, seq_len, special):
     The real tokens of all rows are gathered in one pass (A with one neighbour on each side, B with
     the token after it, then [CLS]/[SEP] written over the neighbours) and scattered into the matrix.
     """
-    a_start, a_len, b_start, b_len = (specs[:, k] for k in range(4))
+    a_start, a_len, b_start, b_len = (specs[:, k].astype(np.int32) for k in range(4))  # int32: less memory traffic
     seq_length = a_len + b_len + 3
     starts = np.stack([a_start - 1, b_start], axis=1).ravel()
     lengths = np.stack([a_len + 2, b_len + 1], axis=1).ravel()
-    ends = np.cumsum(lengths)
+    ends = np.cumsum(lengths, dtype=np.int32)
     # mode="clip": the neighbours of a range at either end of the block are clipped inside it
-    tokens = flat.take(np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1]), mode="clip")
+    tokens = flat.take(np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1], dtype=np.int32),
+                       mode="clip")
     column = np.arange(seq_len)[None, :]
     real = column < seq_length[:, None]
     input_ids = np.zeros((len(specs), seq_len), dtype=np.int32)
@@ -342,21 +345,26 @@ def choose_candidates(num_candidates, num_to_predict, np_rng):
     Floyd's algorithm, one step for all rows at a time. Returns (rows, max count) sorted indices,
     unused slots (rows choosing fewer) last and equal to num_candidates.max()."""
     rows, most = len(num_candidates), int(num_to_predict.max())
-    limit = int(num_candidates.max())
-    taken = np.zeros((rows, limit + 1), dtype=bool)
-    chosen = np.full((rows, most), limit)
+    width = int(num_candidates.max()) + 1
+    # rows in the order they join: a row choosing k candidates takes part in the last k steps
+    order = np.argsort(-num_to_predict, kind="stable")
+    joined = np.searchsorted(-num_to_predict[order], -(most - np.arange(most)), side="right")
+    last_candidate = num_candidates[order] - most - 1  # j of step 0
+    taken = np.zeros(rows * width, dtype=bool)
+    row_base = np.arange(rows) * width
+    chosen = np.full((most, rows), width - 1)
     uniform = np_rng.random((most, rows))
-    row_index = np.arange(rows)
     for step in range(most):
         # Floyd: for j = n - k .. n - 1, draw t in [0, j]; take t, or j if t is already taken
-        j = num_candidates - most + step
-        active = row_index[step >= most - num_to_predict]
-        j = j[active]
-        t = (uniform[step, active] * (j + 1)).astype(np.int64)
-        pick = np.where(taken[active, t], j, t)
-        taken[active, pick] = True
-        chosen[active, step] = pick
-    return np.sort(chosen, axis=1)
+        active = int(joined[step])
+        j = last_candidate[:active] + step + 1
+        t = (uniform[step, :active] * (j + 1)).astype(np.int64)
+        pick = np.where(taken[row_base[:active] + t], j, t)
+        taken[row_base[:active] + pick] = True
+        chosen[step, :active] = pick
+    result = np.empty((rows, most), dtype=np.int64)
+    result[order] = chosen.T
+    return np.sort(result, axis=1)
 
 
 def mask_batch(input_ids, a_len, seq_length, settings, vocab_size, special, np_rng):
@@ -379,11 +387,10 @@ def mask_batch(input_ids, a_len, seq_length, settings, vocab_size, special, np_r
     used = np.pad(used, ((0, 0), (0, max_pred - used.shape[1])))
     row_index = np.broadcast_to(np.arange(rows)[:, None], positions.shape)
     labels = np.where(used, input_ids[row_index, positions], 0).astype(np.int32)
-    choice = np_rng.random((rows, max_pred))
-    keep_or_random = np_rng.random((rows, max_pred))
-    replacement = np.where(choice < 0.8, special["[MASK]"],
-                           np.where(keep_or_random < 0.5, labels,
-                                    np_rng.integers(0, vocab_size, (rows, max_pred))))
+    choice = np_rng.random((rows, max_pred))  # [MASK] below 0.8, kept from 0.8 to 0.9, random above
+    replacement = np.where(choice < 0.8, special["[MASK]"], labels)
+    random_token = used & (choice >= 0.9)
+    replacement[random_token] = np_rng.integers(0, vocab_size, int(random_token.sum()))
     input_ids[row_index[used], positions[used]] = replacement[used]
     return positions.astype(np.int32), labels
 
