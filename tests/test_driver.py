@@ -188,6 +188,34 @@ def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
 
 
+# Allocates, fills and frees a 64 MiB tensor 20 times; prints the page faults of the last 10 (glibc may
+# take a few rounds to settle its heap).
+PAGE_FAULT_PROBE = """
+import resource, sys, torch
+import runtime
+if sys.argv[1] == "kept":
+    assert runtime.keep_freed_memory_in_process()
+for _ in range(10):
+    torch.empty(2 ** 24).fill_(1.0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    torch.empty(2 ** 24).fill_(1.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_freed_memory_stays_in_the_process_on_cpu():
+    """With glibc's defaults each new 64 MiB tensor is page-faulted in again (16,384 faults of 4 KiB each):
+    the setting the CPU path applies (keep_freed_memory_in_process) reuses the freed memory instead."""
+    import subprocess
+    import sys
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_") and key != "GLIBC_TUNABLES"}
+    faults = {setting: int(subprocess.run([sys.executable, "-c", PAGE_FAULT_PROBE, setting], cwd=helpers.REPO_ROOT,
+                                          env=env, capture_output=True, text=True, check=True).stdout)
+              for setting in ("kept", "default")}
+    one_tensor = 2 ** 26 // 4096
+    assert faults["default"] > 8 * one_tensor and faults["kept"] < one_tensor, faults
+
 # ============================================================================ resume
 
 def test_resume_continues_at_the_next_sample(tmp_path, tiny_shards):
