@@ -9,14 +9,17 @@ longer side at a random end, ``[CLS] A [SEP] B [SEP]``, 80/10/10 masking capped 
 What differs from the reference, and why:
 - Memory is bounded: documents are read in blocks of about ``--block_chars`` characters (and at
   least two documents) and each block is processed on its own; a document longer than that (and
-  than a million characters) is cut between lines into parts of that size, each taken as a document. The random-next document, the document shuffle and the instance
-  shuffle are therefore drawn within a block (thousands of Wikipedia articles at the default size)
-  instead of within the whole shard; otherwise the reference keeps every instance of a shard in RAM.
+  than a million characters) is cut between lines into parts of that size, each taken as a
+  document. The random-next document, the document shuffle and the instance shuffle are therefore
+  drawn within a block (thousands of Wikipedia articles at the default size) instead of within the
+  whole shard; otherwise the reference keeps every instance of a shard in RAM.
 - Each shard gets its own seed, derived from ``--random_seed`` and the shard's file name.
 - Truncation draws the number of tokens cut from the front of each side binomially, which has the
   same distribution as the reference's token-by-token coin flips; masking is vectorised over
-  batches of instances with numpy.
-- WordPiece comes from Hugging Face ``tokenizers`` (same tokens as BERT's BasicTokenizer + WordPiece).
+  batches of instances with numpy (masked positions by Floyd's sampling algorithm: every subset
+  equally likely, as the reference's shuffle of the candidates).
+- WordPiece comes from Hugging Face ``tokenizers`` (same tokens as BERT's BasicTokenizer + WordPiece),
+  looked up per distinct word (see WordPieceEncoder).
 
 A directory (or comma-separated list) of inputs with ``--output_file`` naming a directory gives
 one ``<stem>.hdf5`` per input, made in parallel by ``--n_processes`` workers; an ``--output_file``
