@@ -4,7 +4,10 @@ PyTorch loop with the same model, LANS and PolyWarmUp on in-memory batches, one 
     python bench/bench_driver.py                       # fp32, ZeRO-0
     python bench/bench_driver.py --bf16 --stage 1      # driver bf16 ZeRO-1 vs plain loop on a bf16 model
     python bench/bench_driver.py --bf16 --stage 1 --config bench/bert_1.5b_widths_2_layers.json --micro 8 \
-        --steps 6 --threads 2                          # BERT-1.5B widths: the driver's MFU
+        --steps 5 --threads 2 --driver_only [--gas 8] [--layers 12]   # BERT-1.5B widths: the driver's MFU
+
+The driver's forward, backward and optimizer step (DeepSpeedEngine's methods) are timed separately over the
+optimizer steps after the first; `rest` is the driver's time outside them (data, loss, logging).
 
 Each loop runs --repeats times, interleaved, and the best is reported (the machine may be shared); CPU
 seconds per step (process time, all threads) are reported too, being far less sensitive to other load.
