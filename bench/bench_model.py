@@ -1,16 +1,25 @@
-"""Time forward + backward of our BertForPreTraining against transformers.BertForPreTraining.
+"""Time a full training step of our BertForPreTraining + LANS against transformers.BertForPreTraining + AdamW.
 
-Ours runs the pretraining path (sparse MLM head: transform and decoder only at the masked positions, fed
-masked_lm_labels with ~15% of the positions masked, at most 20 per sequence); transformers runs its full head
-over every position, as the reference does. Same config, same weights, same batch, both in training mode,
-in float32 and under bfloat16 autocast. Prints ms per step and the ratio HF / ours. No assertions.
-transformers only has the post-LN wiring: with a pre-LN config the cost is comparable, the function is not.
+A step is zero_grad, forward, loss, backward and the optimizer step. Ours runs the pretraining path (sparse
+MLM head: transform and decoder only at the masked positions) with LANS built as the driver builds it
+(optimization.build_optimizer over the decay/no-decay groups); transformers runs its full head over every
+position with `torch.optim.AdamW(model.parameters())`, the standard user setup. Same config (post-LN, the
+wiring transformers has), same initial weights, same batch, both in training mode. Steps alternate between the
+two so that load from other processes on a shared machine hits both alike; the figure is the median over
+`--steps` steps after `--warmup`. Prints ms per step, the split into forward / backward / optimizer, and
+the ratio HF / ours. No assertions.
 
-    python bench/bench_model.py                       # BERT-Large shapes, 2 layers, batch 4 x 128
-    python bench/bench_model.py --config scripts/bert_tiny_config.json --batch 32 --steps 10
+Modes:
+- fp32: everything in float32.
+- bf16 autocast: both under torch.autocast(bfloat16) with float32 weights (the standard mixed-precision setup).
+
+    python bench/bench_model.py                           # the three shapes of issue 11, fp32 and bf16 autocast
+    python bench/bench_model.py --shape 1.5b --modes bf16 --profile    # plus a torch.profiler table per model
+    python bench/bench_model.py --config scripts/bert_large_config.json --batch 4 --layers 2
 """
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -20,22 +29,51 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion  # noqa: E402
+from optimization import build_optimizer, get_parameter_groups  # noqa: E402
 
-# BERT-Large widths with only 2 layers, so a step takes seconds on a shared 2-core CPU.
-DEFAULT_CONFIG = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
-                      intermediate_size=4096, layer_norm_large_model=False)
+# Issue 11's shapes: two layers of each width, so that a step takes about a second on a shared 2-core CPU.
+SHAPES = {
+    "tiny": dict(hidden_size=128, num_attention_heads=2, intermediate_size=512, batch=32),
+    "base": dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, batch=16),
+    "1.5b": dict(hidden_size=1600, num_attention_heads=25, intermediate_size=6400, batch=8),
+}
+MODES = {"fp32": False, "bf16": True}
+LEARNING_RATE = 1e-4
 
 
 def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="model config JSON (default: BERT-Large shapes with 2 layers)")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES),
+                        help="shape to run, repeatable (default: all three)")
+    parser.add_argument("--config", help="a model config JSON instead of --shape (made post-LN)")
+    parser.add_argument("--batch", type=int, help="batch size with --config")
+    parser.add_argument("--layers", type=int, default=2, help="encoder layers (default 2)")
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--max_pred", type=int, default=20, help="masked positions per sequence, at most")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and mode")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and mode first")
-    return parser.parse_args(argv)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile one step of each model and print the top operators")
+    args = parser.parse_args(argv)
+    if args.config and (args.shape or not args.batch):
+        parser.error("--config takes --batch and no --shape")
+    return args
+
+
+def bench_configs(args):
+    """[(name, BertConfig, batch)] to run, post-LN (the wiring transformers has)."""
+    if args.config:
+        values = {**BertConfig.from_json_file(args.config).to_dict(), "num_hidden_layers": args.layers,
+                  "layer_norm_large_model": False}
+        return [(Path(args.config).stem, BertConfig(**values), args.batch)]
+    configs = []
+    for name in args.shape or list(SHAPES):
+        shape = dict(SHAPES[name])
+        batch = shape.pop("batch")
+        configs.append((name, BertConfig(vocab_size=30522, num_hidden_layers=args.layers, **shape), batch))
+    return configs
 
 
 def make_batch(config, batch, seq_len, max_pred):
@@ -66,60 +104,99 @@ def build_hf_model(config, state_dict):
     return model.train()
 
 
-def ours_step(model, batch):
+def ours_loss(model, batch):
     input_ids, token_type_ids, attention_mask, labels, next_sentence_labels = batch
     scores, nsp = model(input_ids, token_type_ids, attention_mask, masked_lm_labels=labels)
     return BertPretrainingCriterion()(scores, nsp, labels, next_sentence_labels)
 
 
-def hf_step(model, batch):
+def hf_loss(model, batch):
     input_ids, token_type_ids, attention_mask, labels, next_sentence_labels = batch
     output = model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                    labels=labels.masked_fill(labels == -1, -100), next_sentence_label=next_sentence_labels)
     return output.loss
 
 
-def time_step(step_fn, model, batch, autocast):
-    """Milliseconds of one forward + backward."""
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = step_fn(model, batch)
-    loss.backward()
-    return (time.perf_counter() - start) * 1000.0
+@dataclasses.dataclass
+class Contender:
+    """A model with its loss function and optimizer; `phases` collects ms per step of each part."""
+    name: str
+    model: torch.nn.Module
+    loss_fn: object
+    optimizer: torch.optim.Optimizer
+    phases: dict = dataclasses.field(default_factory=lambda: {"forward": [], "backward": [], "optimizer": []})
+
+    def step(self, batch, autocast):
+        """One training step; returns ms of (forward incl. loss, backward, optimizer step incl. zero_grad)."""
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = self.loss_fn(self.model, batch)
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        end = time.perf_counter()
+        return [(b - a) * 1000.0 for a, b in ((start, forward_end), (forward_end, backward_end), (backward_end, end))]
 
 
-def time_both(ours, theirs, batch, autocast, steps, warmup):
-    """Median ms per step of each model. Steps alternate between the two models so that load from other
-    processes on a shared machine hits both alike."""
-    timings = {"ours": [], "hf": []}
+def time_alternating(contenders, batch, autocast, steps, warmup):
+    """Median ms per phase of each contender, steps alternating between them."""
+    for contender in contenders:
+        contender.phases = {phase: [] for phase in contender.phases}
     for index in range(warmup + steps):
-        ours_ms = time_step(ours_step, ours, batch, autocast)
-        hf_ms = time_step(hf_step, theirs, batch, autocast)
-        if index >= warmup:
-            timings["ours"].append(ours_ms)
-            timings["hf"].append(hf_ms)
-    return statistics.median(timings["ours"]), statistics.median(timings["hf"])
+        for contender in contenders:
+            times = contender.step(batch, autocast)
+            if index >= warmup:
+                for phase, ms in zip(contender.phases, times):
+                    contender.phases[phase].append(ms)
+    return [{phase: statistics.median(values) for phase, values in contender.phases.items()}
+            | {"step": statistics.median(map(sum, zip(*contender.phases.values())))}
+            for contender in contenders]
+
+
+def print_profile(contender, batch, autocast, rows=25):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        contender.step(batch, autocast)
+    print(f"--- profile of one step: {contender.name}")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def run_shape(name, config, batch_size, args):
+    torch.manual_seed(0)
+    ours_model = BertForPreTraining(config).train()
+    hf_model = build_hf_model(config, ours_model.state_dict())
+    contenders = [
+        Contender("ours", ours_model, ours_loss,
+                  build_optimizer("lans", get_parameter_groups(ours_model), LEARNING_RATE)),
+        Contender("HF", hf_model, hf_loss, torch.optim.AdamW(hf_model.parameters(), lr=LEARNING_RATE)),
+    ]
+    batch = make_batch(config, batch_size, args.seq_len, args.max_pred)
+    print(f"\n{name}: hidden {config.hidden_size}, layers {config.num_hidden_layers}, heads "
+          f"{config.num_attention_heads}, intermediate {config.intermediate_size}, vocab "
+          f"{config.padded_vocab_size}; batch {batch_size} x {args.seq_len}, {int((batch[3] != -1).sum())} "
+          f"masked tokens; transformers attention {hf_model.config._attn_implementation}")
+    print(f"{'mode':<6} {'model':<5} {'step ms':>9} {'forward':>9} {'backward':>9} {'optimizer':>9} {'HF/ours':>8}")
+    for mode in args.modes:
+        ours, theirs = time_alternating(contenders, batch, MODES[mode], args.steps, args.warmup)
+        for contender, times in zip(contenders, (ours, theirs)):
+            ratio = f"{theirs['step'] / ours['step']:>8.2f}" if contender.name == "HF" else ""
+            print(f"{mode:<6} {contender.name:<5} {times['step']:>9.1f} {times['forward']:>9.1f} "
+                  f"{times['backward']:>9.1f} {times['optimizer']:>9.1f} {ratio}")
+        if args.profile:
+            for contender in contenders:
+                print_profile(contender, batch, MODES[mode])
 
 
 def main(argv=None):
     args = parse_arguments(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = BertConfig.from_json_file(args.config) if args.config else BertConfig(**DEFAULT_CONFIG)
-    torch.manual_seed(0)
-    ours = BertForPreTraining(config).train()
-    theirs = build_hf_model(config, ours.state_dict())
-    batch = make_batch(config, args.batch, args.seq_len, args.max_pred)
-    print(f"config: hidden {config.hidden_size}, layers {config.num_hidden_layers}, heads "
-          f"{config.num_attention_heads}, intermediate {config.intermediate_size}, vocab "
-          f"{config.padded_vocab_size}, pre-LN {config.layer_norm_large_model}; batch {args.batch} x "
-          f"{args.seq_len}, {int((batch[3] != -1).sum())} masked tokens; torch threads "
-          f"{torch.get_num_threads()}; transformers attention {theirs.config._attn_implementation}")
-    print(f"{'mode':<16} {'ours ms/step':>13} {'HF ms/step':>11} {'HF/ours':>8}")
-    for mode, autocast in (("fp32", False), ("bf16 autocast", True)):
-        ours_ms, hf_ms = time_both(ours, theirs, batch, autocast, args.steps, args.warmup)
-        print(f"{mode:<16} {ours_ms:>13.1f} {hf_ms:>11.1f} {hf_ms / ours_ms:>8.2f}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; seq {args.seq_len}, at most "
+          f"{args.max_pred} predictions; median of {args.steps} alternating steps after {args.warmup} warm-up")
+    for name, config, batch_size in bench_configs(args):
+        run_shape(name, config, batch_size, args)
 
 
 if __name__ == "__main__":

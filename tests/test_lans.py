@@ -107,6 +107,36 @@ def test_lans_matches_float64_reference(name):
     assert all(type(g["step"]) is int for g in optimizer.param_groups)
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 4, 7, 29])
+@pytest.mark.parametrize("name", ["defaults", "flat_partition", "zero_gradient_tensor", "zero_weight_no_decay_bias"])
+def test_lans_cut_into_small_chunks_matches_float64_reference(monkeypatch, name, chunk_elements):
+    """The sweeps over pieces (tensors cut at any point, small ones sharing a chunk) give the per-tensor update."""
+    import lans
+    monkeypatch.setattr(lans, "CHUNK_ELEMENTS", chunk_elements)
+    options, problem = dict(CASES[name][0]), CASES[name][1]
+    groups, grad_steps = make_problem(**problem)
+    params, _ = run_lans(groups, grad_steps, LRS, **options)
+    assert_weights_close(params, lans_reference(groups, grad_steps, LRS, **options))
+
+
+def test_non_contiguous_gradients_match_float64_reference(monkeypatch):
+    """A block with a transposed (non-contiguous) gradient is updated whole, not cut into pieces."""
+    import lans
+    monkeypatch.setattr(lans, "CHUNK_ELEMENTS", 4)
+    groups, grad_steps = make_problem()
+    params = [[torch.nn.Parameter(w.clone()) for w in ws] for ws, _ in groups]
+    optimizer = LANS([{"params": ps, "weight_decay": decay} for ps, (_, decay) in zip(params, groups)], lr=LRS[0])
+    for step, grads in enumerate(grad_steps):
+        for ps, gs in zip(params, grads):
+            for p, g in zip(ps, gs):
+                p.grad = g.t().contiguous().t() if g.dim() == 2 else g.clone()
+        assert not params[0][0].grad.is_contiguous()
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[step]
+        optimizer.step()
+    assert_weights_close(params, lans_reference(groups, grad_steps, LRS))
+
+
 def test_reference_mutant_with_swapped_beta_weights_disagrees():
     groups, grad_steps = make_problem()
     params, _ = run_lans(groups, grad_steps, LRS)
@@ -356,7 +386,11 @@ def run_partitioned_lans(groups, grad_steps, lrs, world, segmented=True, **optio
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["defaults", "max_grad_norm", "zero_weight_no_decay_bias", "zero_gradient_tensor"])
-def test_tensor_segments_over_simulated_partitions_match_per_tensor_reference(name, world):
+@pytest.mark.parametrize("chunk_elements", [3, 1 << 18])
+def test_tensor_segments_over_simulated_partitions_match_per_tensor_reference(monkeypatch, name, world,
+                                                                              chunk_elements):
+    import lans
+    monkeypatch.setattr(lans, "CHUNK_ELEMENTS", chunk_elements)
     options, problem = dict(CASES[name][0]), CASES[name][1]
     # Uneven sizes: with 2-4 ranks some tensors straddle one or more partition boundaries.
     groups, grad_steps = make_problem(**problem, shapes=((7, 5), (13,), (3,), (22,)))
