@@ -57,8 +57,7 @@ from typing import NamedTuple
 import torch
 
 # Values per piece of the chunked sweeps (see "Speed" above): 1 MiB of float32, so that a piece's inputs
-# and temporaries fit in the cache. bench/bench_model.py measured 1.5 to 5 times shorter steps than
-# full-size operations at BERT-1.5B widths.
+# and temporaries fit in the cache (128 Ki to 512 Ki values measured alike; README, Performance).
 CHUNK_ELEMENTS = 1 << 18
 
 
