@@ -1,0 +1,83 @@
+"""Time the optimizer step alone: LANS (this repository's lans.py) against torch.optim.AdamW, or against
+another version of lans.py (--baseline_lans FILE), on the parameters of bench_model.py's shapes.
+
+Same parameters, same random gradients, steps alternating between the two; prints the median ms per step,
+the ratio and the largest weight difference to the baseline at the end (useful against another lans.py).
+
+    python bench/bench_optimizer.py                     # LANS vs AdamW at the three shapes
+    git show 09ba398:lans.py > /tmp/lans_before.py && python bench/bench_optimizer.py --baseline_lans /tmp/lans_before.py
+"""
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_model import SHAPES, bench_configs  # noqa: E402
+from modeling import BertForPreTraining  # noqa: E402
+from optimization import build_optimizer, get_parameter_groups  # noqa: E402
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable (default: all three)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--baseline_lans", help="a lans.py file to compare with, instead of torch's AdamW")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per optimizer")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    args.config = None
+    return args
+
+
+def baseline_optimizer(args, model):
+    if not args.baseline_lans:
+        return "AdamW", torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spec = importlib.util.spec_from_file_location("baseline_lans", args.baseline_lans)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return f"LANS of {args.baseline_lans}", module.LANS(get_parameter_groups(model), lr=1e-3, eps=1e-6)
+
+
+def run_shape(name, config, args):
+    torch.manual_seed(0)
+    ours, theirs = BertForPreTraining(config), BertForPreTraining(config)
+    theirs.load_state_dict(ours.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=generator) * 1e-3 for p in ours.parameters()]
+    baseline_name, baseline = baseline_optimizer(args, theirs)
+    contenders = [(ours, build_optimizer("lans", get_parameter_groups(ours), 1e-3)), (theirs, baseline)]
+    times = [[], []]
+    for index in range(args.warmup + args.steps):
+        for (model, optimizer), record in zip(contenders, times):
+            for param, grad in zip(model.parameters(), grads):
+                param.grad = grad.clone()
+            start = time.perf_counter()
+            optimizer.step()
+            if index >= args.warmup:
+                record.append((time.perf_counter() - start) * 1000.0)
+    ours_ms, baseline_ms = map(statistics.median, times)
+    difference = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
+    print(f"{name}: {sum(p.numel() for p in ours.parameters()):,} parameters; LANS {ours_ms:.1f} ms, "
+          f"{baseline_name} {baseline_ms:.1f} ms, baseline/LANS {baseline_ms / ours_ms:.2f}; "
+          f"max |weight difference| after {args.warmup + args.steps} steps {difference:.2e}")
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.steps} alternating "
+          f"steps after {args.warmup} warm-up")
+    for name, config, _ in bench_configs(args):
+        run_shape(name, config, args)
+
+
+if __name__ == "__main__":
+    main()
