@@ -94,12 +94,29 @@ def published_sha1(url):
     return None
 
 
-def sha1_of(path):
-    digest = hashlib.sha1()
+def file_digest(path, algorithm: str) -> str:
+    """Hex digest of a file by a hashlib algorithm name ("sha1", "sha256")."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, algorithm).hexdigest()
+
+
+def fetch_verified(url, dest, algorithm: str, expected: str | None) -> bool:
+    """Download url to dest (resumable, download_file) unless dest is there, then check its digest when one
+    is expected. Returns whether it downloaded. A mismatching file is moved to <dest>.bad, so that a rerun
+    downloads it afresh, and is one error."""
+    dest = Path(dest)
+    downloaded = not dest.exists()
+    if downloaded:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        download_file(url, dest)
+    if expected is not None:
+        digest = file_digest(dest, algorithm)
+        if digest != expected:
+            dest.replace(f"{dest}.bad")
+            label = algorithm.upper().replace("SHA", "SHA-")
+            raise InputError(f"{dest}: {label} mismatch (expected {expected}), the file's is {digest}; moved to "
+                             f"{dest}.bad (run again to download it afresh)")
+    return downloaded
 
 
 def download_wiki(options, dest):
@@ -107,16 +124,12 @@ def download_wiki(options, dest):
     if dest.exists():
         print(f"download: {dest} exists, skipping", file=sys.stderr)
         return
-    dest.parent.mkdir(parents=True, exist_ok=True)
     source = options.wiki_url
     url = source if "://" in source else Path(source).resolve().as_uri()
     expected = options.wiki_sha1 or published_sha1(url)
-    download_file(url, dest)
+    fetch_verified(url, dest, "sha1", expected)
     if expected is None:
         print("download: the mirror publishes no SHA-1 for this file; only its size was checked", file=sys.stderr)
-    elif sha1_of(dest) != expected:
-        dest.rename(f"{dest}.bad")
-        raise InputError(f"{dest}: SHA-1 mismatch (expected {expected}); moved to {dest}.bad")
 
 
 def book_files(books_dir):

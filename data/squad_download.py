@@ -8,14 +8,13 @@ Needs access to rajpurkar.github.io (SQUAD_BASE_URL overrides it, e.g. a mirror 
 The SQuAD files are licensed CC BY-SA 4.0 by their authors (Rajpurkar et al.).
 """
 import argparse
-import hashlib
 import os
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data.bert_prep import download_file  # noqa: E402
+from data.bert_prep import fetch_verified  # noqa: E402
 from errors import InputError  # noqa: E402
 
 DEFAULT_BASE_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset"
@@ -28,26 +27,6 @@ SHA256 = {
 VERSIONS = ("v1.1", "v2.0")
 
 
-def sha256_of(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def fetch_verified(url, dest, expected) -> bool:
-    """Download url to dest unless dest is there; check its SHA-256 either way. Returns whether it downloaded.
-    A mismatching file is moved to <dest>.bad (so a rerun downloads afresh) and reported."""
-    downloaded = not dest.exists()
-    if downloaded:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        download_file(url, dest)
-    digest = sha256_of(dest)
-    if digest != expected:
-        dest.replace(f"{dest}.bad")
-        raise InputError(f"{dest}: SHA-256 {digest} is not the expected {expected}; moved to {dest}.bad "
-                         "(run again to download it afresh)")
-    return downloaded
-
-
 def download(output_dir, versions=VERSIONS, base_url=DEFAULT_BASE_URL, checksums=SHA256) -> list:
     """Fetch and verify the train and dev files of each version; returns their paths."""
     paths = []
@@ -55,7 +34,7 @@ def download(output_dir, versions=VERSIONS, base_url=DEFAULT_BASE_URL, checksums
         for split in ("train", "dev"):
             name = f"{split}-{version}.json"
             dest = Path(output_dir) / version / name
-            fresh = fetch_verified(f"{base_url.rstrip('/')}/{name}", dest, checksums[name])
+            fresh = fetch_verified(f"{base_url.rstrip('/')}/{name}", dest, "sha256", checksums[name])
             print(f"squad_download: {dest} {'downloaded and ' if fresh else ''}verified", file=sys.stderr)
             paths.append(dest)
     return paths

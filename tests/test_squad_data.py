@@ -327,17 +327,18 @@ def test_v2_null_score_is_the_minimum_over_windows(tokenizer, long_paragraph):
 
 def test_download_verifies_and_skips(tmp_path):
     from data import squad_download
+    from data.bert_prep import fetch_verified, file_digest
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     checksums = {}
     for name in ("train-v1.1.json", "dev-v1.1.json"):
         write_squad(mirror / name, word_questions(sample_sentences()[:3], 1, seed=0))
-        checksums[name] = squad_download.sha256_of(mirror / name)
+        checksums[name] = file_digest(mirror / name, "sha256")
     out = tmp_path / "squad"
     paths = squad_download.download(out, ["v1.1"], mirror.as_uri(), checksums)
     assert paths == [out / "v1.1" / "train-v1.1.json", out / "v1.1" / "dev-v1.1.json"]
     assert all(path.read_bytes() == (mirror / path.name).read_bytes() for path in paths)
-    assert not squad_download.fetch_verified("file:///nonexistent", paths[0], checksums["train-v1.1.json"])
+    assert not fetch_verified("file:///nonexistent", paths[0], "sha256", checksums["train-v1.1.json"])
 
     paths[1].write_text("{}")  # a damaged local copy is detected and set aside
     with pytest.raises(InputError, match=r"dev-v1\.1\.json: SHA-256 .* moved to .*\.bad"):
