@@ -82,9 +82,14 @@ resolve_settings() {
     if [[ "$PHASE" == 2 && ! -f "$CHECKPOINTS_DIR/latest" ]]; then
         die "phase 2 starts from phase 1's last checkpoint, and $CHECKPOINTS_DIR has none (set HL_CHECKPOINTS_DIR or HL_RESULTS_DIR to phase 1's)"
     fi
+    find_launcher_and_python
+}
+
+# The deepspeed launcher, and in PYTHON the interpreter the ranks run, by its absolute path: on another
+# server, ssh's PATH finds the system python, not the virtual environment (same paths on every server are
+# required anyway).
+find_launcher_and_python() {
     command -v deepspeed > /dev/null || die "the deepspeed launcher is not on PATH (activate the virtual environment)"
-    # The ranks run this interpreter by its absolute path: on another server, ssh's PATH finds the system
-    # python, not the virtual environment (same paths on every server are required anyway).
     PYTHON="$(command -v python)" || die "python is not on PATH (activate the virtual environment)"
 }
 

@@ -35,14 +35,14 @@ for split in train dev; do
     [[ -f "$SQUAD_DIR/$split-$SQUAD_VERSION.json" ]] || die "$SQUAD_DIR/$split-$SQUAD_VERSION.json does not exist (python data/squad_download.py fetches it; set SQUAD_DIR for another place)"
 done
 [[ -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
-command -v deepspeed > /dev/null || die "the deepspeed launcher is not on PATH (activate the virtual environment)"
+find_launcher_and_python
 device_args
 multinode_args
 
 mkdir -p "$RESULTS_DIR"
 cd "$REPO_ROOT"
 command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
-         "${MULTINODE_ARGS[@]}" python -u ./run_squad.py "${DEVICE_ARGS[@]}" --disable-progress-bar
+         "${MULTINODE_ARGS[@]}" "$PYTHON" -u ./run_squad.py "${DEVICE_ARGS[@]}" --disable-progress-bar
          --init_checkpoint "$INIT_CHECKPOINT" --vocab_file "$VOCAB_FILE" --do_lower_case
          --train_file "$SQUAD_DIR/train-$SQUAD_VERSION.json" --predict_file "$SQUAD_DIR/dev-$SQUAD_VERSION.json"
          --do_train --do_predict --do_eval "${version_args[@]}" --output_dir "$RESULTS_DIR"

@@ -129,7 +129,8 @@ def run_launcher(tmp_path, **env):
     (bin_dir / "deepspeed").chmod(0o755)
     own = ("INIT_CHECKPOINT", "SQUAD_VERSION", "SQUAD_DIR", "HL_DEVICE", "HL_NUM_NODES", "HL_DS_CONFIG")
     full_env = {key: value for key, value in os.environ.items() if key not in own}
-    full_env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HL_RESULTS_DIR=str(tmp_path / "results"), **env)
+    full_env.update(PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]),
+                    HL_RESULTS_DIR=str(tmp_path / "results"), **env)
     return subprocess.run(["bash", str(REPO_ROOT / "scripts" / "run_squad.sh"), "--max_steps", "5"],
                           env=full_env, capture_output=True, text=True, timeout=60)
 
@@ -144,7 +145,9 @@ def test_launcher_command_line(tmp_path):
                           HL_DEVICE="cpu", HL_NGPU_PER_NODE="2")
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[:7] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python", "python"]
+    # the ranks run the launcher's python by its absolute path (ssh's PATH on another server differs)
+    assert args[:7] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python",
+                        str(helpers.VENV_BIN / "python")]
     assert args[8] == "./run_squad.py" and "--no_cuda" in args and "--version_2_with_negative" in args
     assert args[args.index("--train_file") + 1] == str(squad_dir / "train-v2.0.json")
     assert args[args.index("--init_checkpoint") + 1] == str(checkpoint)
