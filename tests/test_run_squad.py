@@ -174,6 +174,11 @@ def test_launcher_stops_early_with_one_line(tmp_path, env, message):
 # about real sentences. The pre-LN wiring of the demo does not learn this task in the same budget: its
 # residual stream starts at 0, not at the embeddings (as in the reference), so a position keeps its own token
 # only through attention; measured 9-12% exact match after 500 steps where post-LN reached 90% (README).
+# The loss first sits at the answer-position prior (about 2.5) and then drops once attention learns to match
+# the named token; when that happens is sensitive to noise. With dropout (the pretraining's 0.1) it came
+# anywhere from step 390 to about 1,180 depending on LR, seed and checkpoint (17-91% EM at 936 steps);
+# without dropout, at LR 1e-3, at steps 250-410 in the runs measured (88.7-98.3% EM over three seeds and
+# two versions of the pretraining shards; README).
 
 
 def learning_run(tmp_path, checkpoint, config, shuffled):
@@ -181,17 +186,14 @@ def learning_run(tmp_path, checkpoint, config, shuffled):
     random.Random(0).shuffle(sentences)
     train = write_squad(tmp_path / "train.json", word_questions(sentences[:3334], 3, seed=0, shuffled=shuffled))
     dev = write_squad(tmp_path / "dev.json", word_questions(sentences[-300:], 1, seed=1, id_prefix="d"))
+    config = dropout_free_config(tmp_path / "config.json", base=config)
     return run_squad.main(squad_argv(tmp_path / "out", init_checkpoint=checkpoint, config_file=config,
                                      train_file=train, predict_file=dev, do_train=True, do_predict=True,
                                      do_eval=True, train_batch_size=32, max_steps=None, num_train_epochs=3,
-                                     learning_rate=2e-3, skip_checkpoint=True))
+                                     learning_rate=1e-3, skip_checkpoint=True))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "known regression, open: tuned to 86.7% EM on a checkpoint pretrained with per-partition LANS blocks; since "
-    "per-tensor blocks became the default the same run measured 17% EM (66% with the fixture pretrained with "
-    "--lans_blocks partition): the check needs retuning"))
 def test_fine_tuning_learns_to_point_at_the_named_word(tmp_path, pretrained_tiny_post_ln):
     summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=False)
     assert summary["exact_match"] >= 80, summary
