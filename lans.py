@@ -47,6 +47,8 @@ pass per operation: the gradient norms; then, piece by piece (``CHUNK_ELEMENTS``
 ``Chunk``s), the moments, both directions and the sums of squares of w, r and c; then, piece by piece
 again, the directions recomputed from the same values and applied. The temporaries of a piece stay in the
 CPU's cache and no full-size temporary is allocated. The arithmetic is the same operations as written above.
+On an accelerator the pieces are whole tensors (one Chunk per group): cache-sized pieces there would only
+multiply the kernel launches (``chunk_elements``).
 
 Precision: the moments and all the arithmetic are float32 for bf16/fp16 parameters (float64 for
 float64 ones); the result is written back to the parameter in its own dtype.
@@ -59,6 +61,12 @@ import torch
 # Values per piece of the chunked sweeps (see "Speed" above): 1 MiB of float32, so that a piece's inputs
 # and temporaries fit in the cache (128 Ki to 512 Ki values measured alike; README, Performance).
 CHUNK_ELEMENTS = 1 << 18
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Values per piece of the sweeps: cache-sized on the CPU; unbounded elsewhere (whole tensors, one
+    Chunk), where each piece costs kernel launches and the device's memory bandwidth needs no cache trick."""
+    return CHUNK_ELEMENTS if device.type == "cpu" else 2 ** 62
 
 
 def bias_corrections(step, betas, bias_correction, adjust_step):
@@ -379,7 +387,7 @@ class LANS(AdaptiveMomentOptimizer):
             return adam_dirs, normalised
 
         # Sweep 2: the moments, and ||w||^2, ||r||^2, ||c||^2 summed per block (w changes only in sweep 3).
-        chunks = tensors.chunks(CHUNK_ELEMENTS)
+        chunks = tensors.chunks(chunk_elements(grad_norms.device))
         squares = torch.zeros(3, len(tensors.weights), dtype=grad_norms.dtype, device=grad_norms.device)
         for chunk in chunks:
             normalised = torch._foreach_mul(chunk.grads, [grad_scales[block] for block in chunk.blocks])

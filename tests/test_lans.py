@@ -107,16 +107,23 @@ def test_lans_matches_float64_reference(name):
     assert all(type(g["step"]) is int for g in optimizer.param_groups)
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 4, 7, 29])
+@pytest.mark.parametrize("chunk_elements", [1, 4, 7, 29, 2 ** 62])
 @pytest.mark.parametrize("name", ["defaults", "flat_partition", "zero_gradient_tensor", "zero_weight_no_decay_bias"])
 def test_lans_cut_into_small_chunks_matches_float64_reference(monkeypatch, name, chunk_elements):
-    """The sweeps over pieces (tensors cut at any point, small ones sharing a chunk) give the per-tensor update."""
+    """The sweeps over pieces (tensors cut at any point, small ones sharing a chunk; 2**62: whole tensors in
+    one chunk, as on an accelerator) give the per-tensor update."""
     import lans
     monkeypatch.setattr(lans, "CHUNK_ELEMENTS", chunk_elements)
     options, problem = dict(CASES[name][0]), CASES[name][1]
     groups, grad_steps = make_problem(**problem)
     params, _ = run_lans(groups, grad_steps, LRS, **options)
     assert_weights_close(params, lans_reference(groups, grad_steps, LRS, **options))
+
+
+def test_pieces_are_cache_sized_on_the_cpu_only():
+    import lans
+    assert lans.chunk_elements(torch.device("cpu")) == lans.CHUNK_ELEMENTS
+    assert lans.chunk_elements(torch.device("cuda", 0)) >= 2 ** 62
 
 
 def test_non_contiguous_gradients_match_float64_reference(monkeypatch):
