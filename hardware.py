@@ -42,8 +42,12 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: flo
     """Best TFLOP/s of repeated (m x k) @ (n x k)^T products over about `seconds` (at least MIN_REPEATS,
     after one warm-up)."""
     m, k, n = shape
-    inputs = torch.randn(m, k, device=device, dtype=dtype)
-    weight = torch.randn(n, k, device=device, dtype=dtype)
+    # Its own generator: the measurement must not move the global random state that the model's
+    # initial weights are drawn from (else --peak_tflops, or a peak measured earlier in the process,
+    # would change them).
+    generator = torch.Generator(device=device).manual_seed(0)
+    inputs = torch.randn(m, k, device=device, dtype=dtype, generator=generator)
+    weight = torch.randn(n, k, device=device, dtype=dtype, generator=generator)
     torch.nn.functional.linear(inputs, weight)
     best, repeats, deadline = float("inf"), 0, time.perf_counter() + seconds
     while time.perf_counter() < deadline or repeats < MIN_REPEATS:

@@ -28,6 +28,15 @@ def test_cpu_peak_is_measured_and_close_to_a_separately_timed_product():
     assert hardware.peak_tflops(cpu, torch.bfloat16, override=123.0) == (123.0, "--peak_tflops")
 
 
+def test_peak_measurement_leaves_the_global_random_state_alone():
+    """The model's initial weights are drawn after the peak is measured (or not, with --peak_tflops)."""
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    hardware.measure_matmul_tflops(torch.device("cpu"), torch.float32, 0.0, (8, 8, 8))
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_cpu_memory_is_shared_by_the_local_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_SIZE", "1")
     whole, _ = hardware.device_memory_bytes(torch.device("cpu"))
