@@ -654,7 +654,7 @@ def check_memory(args, device, ds_config: dict, model_config: BertConfig, data: 
         ds_config, world, data.seq_len, data.max_pred,
         args.checkpoint_activations_interval if args.checkpoint_activations else 0,
         # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
-        args.optimizer if args.optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans")
+        args.optimizer if args.optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans", on_cpu=device.type == "cpu")
     predicted = sizing.device_memory(model_config, run)["total"]
     available, description = hardware.device_memory_bytes(device)
     if available is None:

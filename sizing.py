@@ -27,6 +27,8 @@ LOSS_BYTES_PER_LOGIT = 4  # the float32 log-softmax the MLM cross-entropy keeps,
 # Float32 tensors the size of one flat optimizer partition that an optimizer step creates on top of its
 # states (lans.py: the normalised gradient, the denominators and the Adam direction).
 OPTIMIZER_TEMPORARIES = {"lans": 3, "nvlamb": 3, "adam": 2, "adamw": 2}
+# On the CPU lans.py sweeps cache-sized pieces (lans.chunk_elements): no partition-sized temporaries there.
+CPU_CHUNKED_OPTIMIZERS = ("lans",)
 MOMENT_BYTES = 8  # two float32 moments per parameter (LANS, NVLAMB and AdamW alike)
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
 
@@ -91,10 +93,11 @@ class Run:
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
     contiguous_gradients: bool = True
     overlap_comm: bool = False
+    on_cpu: bool = False
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: dict, world_size: int, seq_len: int, max_pred: int,
-                              checkpoint_interval: int = 0, optimizer: str = "lans") -> "Run":
+                              checkpoint_interval: int = 0, optimizer: str = "lans", on_cpu: bool = False) -> "Run":
         zero = ds_config.get("zero_optimization", {}) or {}
         return cls(micro_batch=int(ds_config["train_micro_batch_size_per_gpu"]), seq_len=seq_len,
                    max_pred=max_pred, world_size=world_size, zero_stage=int(zero.get("stage", 0)),
@@ -102,7 +105,7 @@ class Run:
                    checkpoint_interval=checkpoint_interval, optimizer=optimizer,
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)),
                    contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-                   overlap_comm=bool(zero.get("overlap_comm", False)))
+                   overlap_comm=bool(zero.get("overlap_comm", False)), on_cpu=on_cpu)
 
 
 def device_memory(config: BertConfig, run: Run) -> dict:
@@ -115,7 +118,7 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     - backward of the MLM head: the saved activations, the float32 logits' gradient and the (tied) word
       embedding's gradient;
     - the optimizer step: the model-dtype gradients (ZeRO-2: this rank's partition), DeepSpeed's fp32 copy
-      of this rank's gradient partition, and the optimizer's temporaries.
+      of this rank's gradient partition, and the optimizer's temporaries (none of partition size for LANS on the CPU).
     """
     if run.zero_stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage {run.zero_stage}: the planner knows stages 0, 1 and 2")
@@ -138,7 +141,8 @@ def device_memory(config: BertConfig, run: Run) -> dict:
                      + element * config.padded_vocab_size * config.hidden_size)
     gradients = element * (partition if run.zero_stage == 2 else params)
     fp32_gradients = 4 * partition if (run.bf16 or run.zero_stage >= 1) else 0
-    optimizer_step = gradients + fp32_gradients + OPTIMIZER_TEMPORARIES[run.optimizer] * 4 * partition
+    chunked = run.on_cpu and run.optimizer in CPU_CHUNKED_OPTIMIZERS
+    optimizer_step = gradients + fp32_gradients + (0 if chunked else OPTIMIZER_TEMPORARIES[run.optimizer] * 4 * partition)
     parts["gradients"] = gradients
     parts["peak_transient"] = max(head_backward, optimizer_step)
     parts["peak_moment"] = "backward (MLM head)" if head_backward >= optimizer_step else "optimizer step"
