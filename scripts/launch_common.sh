@@ -38,14 +38,42 @@ phase_args() {
     esac
 }
 
-# HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS.
+# HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
+# found the device here. CPU ranks take DeepSpeed's CPU accelerator and one thread each unless told otherwise.
 device_args() {
     case "${HL_DEVICE:-hpu}" in
         hpu) DEVICE_ARGS=(--use_hpu) ;;
         cuda) DEVICE_ARGS=() ;;
-        cpu) DEVICE_ARGS=(--no_cuda) ;;
+        cpu) DEVICE_ARGS=(--no_cuda); export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" ;;
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
     esac
+    check_devices
+}
+
+# Before any rank starts: this machine has HL_NGPU_PER_NODE devices of the kind HL_DEVICE names (otherwise
+# every rank would fail with its own traceback). With several servers this one stands for the others.
+check_devices() {
+    [[ "$NGPU_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "HL_NGPU_PER_NODE must be a number of devices (1 or more), not '$NGPU_PER_NODE'"
+    [[ "${HL_DEVICE:-hpu}" == cpu ]] && return 0
+    "$PYTHON" - "${HL_DEVICE:-hpu}" "$NGPU_PER_NODE" <<'PY' || exit 1
+import sys
+device, wanted = sys.argv[1], int(sys.argv[2])
+try:
+    if device == "hpu":
+        import habana_frameworks.torch.hpu as accelerator
+    else:
+        import torch
+        accelerator = torch.cuda
+    found = accelerator.device_count() if accelerator.is_available() else 0
+except ImportError:
+    found = 0
+kind = {"hpu": "Gaudi", "cuda": "CUDA"}[device]
+if found == 0:
+    sys.exit(f"error: HL_DEVICE={device}{' (the default)' if device == 'hpu' else ''} but this machine has no {kind}"
+             " device: set HL_DEVICE=cpu (or cuda, hpu) and HL_NGPU_PER_NODE to the number of ranks")
+if wanted > found:
+    sys.exit(f"error: HL_NGPU_PER_NODE={wanted} but this machine has {found} {kind} devices: set HL_NGPU_PER_NODE={found} or fewer")
+PY
 }
 
 pretraining_args() {

@@ -5,6 +5,7 @@
 #
 #   python data/squad_download.py                      # once: data/squad/v1.1 and data/squad/v2.0
 #   INIT_CHECKPOINT=results/bert_1.5b/checkpoints bash scripts/run_squad.sh [extra run_squad.py flags]
+#   HL_DEVICE=cpu HL_NGPU_PER_NODE=2 INIT_CHECKPOINT=results/bert_tiny/checkpoints bash scripts/run_squad.sh
 #
 # Environment: INIT_CHECKPOINT (required: a run_pretraining.py output directory, a `checkpointing.py export`
 # file or a Hugging Face BERT directory), SQUAD_VERSION (v1.1 | v2.0), SQUAD_DIR (data/squad/$SQUAD_VERSION),

@@ -36,8 +36,21 @@ def stub_launcher(tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
-               HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0")
+               HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
+               PYTHONPATH=os.pathsep.join([str(gaudi_stand_in(tmp_path / "gaudi")), os.environ.get("PYTHONPATH", "")]))
     return env, tmp_path
+
+
+def gaudi_stand_in(directory):
+    """A `habana_frameworks.torch.hpu` that reports STUB_HPU_COUNT (default 8) Gaudi devices: the launchers check
+    that HL_DEVICE's devices exist before starting any rank, and this machine has no Gaudi."""
+    package = directory / "habana_frameworks" / "torch" / "hpu"
+    package.mkdir(parents=True)
+    (directory / "habana_frameworks" / "__init__.py").write_text("")
+    (directory / "habana_frameworks" / "torch" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text('import os\n\ndef device_count():\n    return int(os.environ.get("STUB_HPU_COUNT", "8"))'
+                                         '\n\ndef is_available():\n    return device_count() > 0\n')
+    return directory
 
 
 # The process tree of the `deepspeed` runner, by STUB_TREE (unset: exit at once). Each process notes
@@ -247,3 +260,48 @@ def test_launchers_run_the_preflight_before_anything_starts(stub_launcher):
     assert result.stderr.strip() == (f"error: preflight: hostfile {tmp_path / 'hostfile'} line 2: host 10.0.0.1 is "
                                      "listed twice (first on line 1)")
     assert not (tmp_path / "args").exists()
+
+
+def ready_to_launch(script, env, tmp_path) -> dict:
+    """`env` with what `script` needs besides the device (the fine-tuning launchers' checkpoint and data)."""
+    if script == "run_squad.sh":
+        squad_dir = tmp_path / "squad"
+        squad_dir.mkdir(exist_ok=True)
+        for split in ("train", "dev"):
+            (squad_dir / f"{split}-v1.1.json").write_text('{"version": "1.1", "data": []}')
+        return dict(env, INIT_CHECKPOINT=str(tmp_path), SQUAD_DIR=str(squad_dir))
+    return env
+
+
+DEVICE_CHECKED = ["run_bert_1.5b_8x.sh", "run_squad.sh"]
+
+
+@pytest.mark.parametrize("script", DEVICE_CHECKED)
+@pytest.mark.parametrize("device_env,message", [
+    ({}, "error: HL_DEVICE=hpu (the default) but this machine has no Gaudi device: set HL_DEVICE=cpu (or cuda, hpu) "
+         "and HL_NGPU_PER_NODE to the number of ranks"),
+    ({"HL_DEVICE": "cuda"}, "error: HL_DEVICE=cuda but this machine has no CUDA device: set HL_DEVICE=cpu (or cuda, "
+                            "hpu) and HL_NGPU_PER_NODE to the number of ranks"),
+    ({"STUB_HPU_COUNT": "4"}, "error: HL_NGPU_PER_NODE=8 but this machine has 4 Gaudi devices: set HL_NGPU_PER_NODE=4 "
+                              "or fewer"),
+    ({"HL_DEVICE": "cpu", "HL_NGPU_PER_NODE": "0"}, "error: HL_NGPU_PER_NODE must be a number of devices (1 or more), "
+                                                    "not '0'"),
+])
+def test_a_device_this_machine_lacks_stops_the_launcher_before_any_rank(stub_launcher, script, device_env, message):
+    """Formerly run_squad.sh started 8 ranks on a machine without Gaudi: 443 lines with 16 tracebacks."""
+    env, tmp_path = stub_launcher
+    env = ready_to_launch(script, dict(env, **device_env), tmp_path)
+    if not device_env:  # no Gaudi, as on this machine
+        env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    result = launch(script, env)
+    assert (result.returncode, result.stderr, result.stdout) == (1, message + "\n", "")
+    assert not (tmp_path / "args").exists()
+
+
+@pytest.mark.parametrize("script", DEVICE_CHECKED)
+def test_the_devices_this_machine_has_are_launched(stub_launcher, script):
+    env, tmp_path = stub_launcher
+    for device_env, flag in (({"STUB_HPU_COUNT": "8"}, "--use_hpu"), ({"HL_DEVICE": "cpu"}, "--no_cuda")):
+        assert launch(script, ready_to_launch(script, dict(env, **device_env), tmp_path)).returncode == 0
+        args = (tmp_path / "args").read_text().splitlines()
+        assert args[args.index("--num_gpus") + 1] == "8" and flag in args
