@@ -184,18 +184,19 @@ def probe_host(name: str, data_dir, timeout: float) -> dict:
         raise PreflightError(f"host {name}: the probe failed (exit {result.returncode}): {last}") from None
 
 
-def check_hosts(hosts: list, data_dir, timeout: float) -> list:
-    """Every host probed in parallel; returns the error lines (empty when all agree with this host)."""
+def problems_by_host(hosts: list, data_dir, timeout: float) -> dict:
+    """Every host probed in parallel; {host name: its error lines (empty when it agrees with this host)}.
+    The supervisor's check before a restart, too."""
     here = describe_this_host(data_dir)
-    errors = []
+    problems = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         futures = {host.name: pool.submit(probe_host, host.name, data_dir, timeout) for host in hosts}
         for name, future in futures.items():
             try:
-                errors += differences(name, here, future.result(), data_dir)
+                problems[name] = differences(name, here, future.result(), data_dir)
             except PreflightError as err:
-                errors.append(str(err))
-    return errors
+                problems[name] = [str(err)]
+    return problems
 
 
 # ============================================================================ main
@@ -209,7 +210,8 @@ def run_checks(args) -> list:
     report = []
     if args.num_nodes > 1:
         hosts = hosts_for_job(parse_hostfile(args.hostfile), args.num_nodes, args.ngpu_per_node, args.hostfile)
-        errors = check_hosts(hosts, args.data_dir, args.ssh_timeout)
+        problems = problems_by_host(hosts, args.data_dir, args.ssh_timeout)
+        errors = [line for lines in problems.values() for line in lines]
         if errors:
             raise PreflightError("\n".join(errors))
         report.append(f"preflight: {len(hosts)} hosts answer over ssh with the same code, Python "

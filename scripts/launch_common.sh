@@ -11,6 +11,9 @@
 #   HL_DEVICE            hpu (default, --use_hpu) | cuda | cpu (--no_cuda)
 #   HL_DATA_DIR          the shard directory itself (default: the phase's dataset under HL_DATA_DIR_ROOT)
 #   HL_PHASE1_END_STEP   phase-2 launchers: the step of phase 1's last checkpoint in HL_CHECKPOINTS_DIR
+#   HL_MAX_RESTARTS HL_RESTART_WINDOW_S HL_MIN_HOSTS  several servers: supervisor.py restarts a failed job on
+#                        the servers that pass the checks, at most HL_MAX_RESTARTS (3; 0: never) times within
+#                        HL_RESTART_WINDOW_S seconds (21600), on at least HL_MIN_HOSTS (half the servers)
 # Extra arguments given to a launcher are appended to run_pretraining.py's arguments.
 # A launcher sets PHASE=2 for phase 2: seq 512 / 80 predictions, its own schedule and dllogger_phase2.json,
 # resuming phase 1's checkpoints directory (phase-2 tags continue after phase 1's last step).
@@ -29,13 +32,15 @@ die() {
 # has no phase-2 launcher): NVIDIA's BERT recipe scaled to our phase 1 (LR 2/3 of phase 1's, warm-up 12.8 %).
 phase_args() {
     case "$PHASE" in
-        1) PHASE_ARGS=(--max_predictions_per_seq=20 --learning_rate=0.0015 --warmup_proportion=0.05
-                       --constant_proportion=0.25 --json-summary="$RESULTS_DIR/dllogger.json") ;;
-        2) PHASE_ARGS=(--phase2 --phase1_end_step="$PHASE1_END_STEP" --max_predictions_per_seq=80
-                       --learning_rate=0.001 --warmup_proportion=0.128 --constant_proportion=0
-                       --json-summary="$RESULTS_DIR/dllogger_phase2.json") ;;
+        1) JSON_SUMMARY="$RESULTS_DIR/dllogger.json"
+           PHASE_ARGS=(--max_predictions_per_seq=20 --learning_rate=0.0015 --warmup_proportion=0.05
+                       --constant_proportion=0.25) ;;
+        2) JSON_SUMMARY="$RESULTS_DIR/dllogger_phase2.json"
+           PHASE_ARGS=(--phase2 --phase1_end_step="$PHASE1_END_STEP" --max_predictions_per_seq=80
+                       --learning_rate=0.001 --warmup_proportion=0.128 --constant_proportion=0) ;;
         *) die "PHASE must be 1 or 2, not '${PHASE}'" ;;
     esac
+    PHASE_ARGS+=(--json-summary="$JSON_SUMMARY")
 }
 
 # HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
@@ -142,7 +147,9 @@ run_preflight() {
         --num_nodes "$NUM_NODES" --ngpu_per_node "$NGPU_PER_NODE" --hostfile "$HOSTSFILE" || exit 1
 }
 
-# deepspeed --num_nodes N --num_gpus 8 --no_local_rank --no_python [multinode] /abs/python -u run_pretraining.py ...
+# One node: deepspeed --num_nodes 1 --num_gpus 8 --no_local_rank --no_python /abs/python -u run_pretraining.py ...
+# Several: supervisor.py runs each attempt with --num_nodes, --hostfile, --master_addr and --master_port
+# after `deepspeed`, prints its command, passes SIGTERM/SIGINT on, and restarts on the hosts that remain.
 launch_pretraining() {
     resolve_settings
     pretraining_args
@@ -150,8 +157,16 @@ launch_pretraining() {
     run_preflight
     mkdir -p "$RESULTS_DIR"
     cd "$REPO_ROOT"
-    local command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
-                   "${MULTINODE_ARGS[@]}" "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
+    local command=(deepspeed --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
+                   "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
+    if [[ "$NUM_NODES" != 1 ]]; then
+        exec "$PYTHON" "$REPO_ROOT/supervisor.py" --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
+            --ngpu_per_node "$NGPU_PER_NODE" --master_port "$MASTER_PORT" --deepspeed_config "$DS_CONFIG" \
+            --data_dir "$DATA_DIR" --json_summary "$JSON_SUMMARY" --max_restarts "${HL_MAX_RESTARTS:-3}" \
+            --restart_window_s "${HL_RESTART_WINDOW_S:-21600}" --min_hosts "${HL_MIN_HOSTS:-$(( (NUM_NODES + 1) / 2 ))}" \
+            -- "${command[@]}"
+    fi
+    command=(deepspeed --num_nodes 1 "${command[@]:1}")
     echo "${command[*]}"
     run_forwarding_signals "${command[@]}"
 }
@@ -204,7 +219,5 @@ forward_stop_request() {
 # SIGTERM to this job's ranks on every host (found by their per-node launcher's --master_addr/--master_port);
 # prints how many were signalled in all.
 signal_ranks_on_every_host() {
-    PDSH_RCMD_TYPE=ssh pdsh -N -t 10 -u 60 -w "$JOB_HOSTS" \
-        bash "$REPO_ROOT/scripts/signal_ranks.sh" "${JOB_HOSTS%%,*}" "$MASTER_PORT" TERM 2> /dev/null \
-        | awk '{ n += $1 } END { print n + 0 }'
+    bash "$REPO_ROOT/scripts/signal_ranks.sh" --hosts "$JOB_HOSTS" "${JOB_HOSTS%%,*}" "$MASTER_PORT" TERM
 }

@@ -129,15 +129,19 @@ def launch(script, env):
 def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, max_steps, per_cp, log_freq, config,
                                                 ds_config, extra):
     env, tmp_path = stub_launcher
-    result = launch(script, env)
+    hosts = [f"10.0.0.{i + 1}" for i in range(int(nodes))]
+    (tmp_path / "hostfile").write_text("".join(f"{host} slots=8\n" for host in hosts))
+    result = launch(script, dict(env, HL_HOSTSFILE=str(tmp_path / "hostfile")))
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
     python_at = args.index(str(helpers.VENV_BIN / "python"))  # absolute: ssh's PATH on another server differs
     launcher, program = args[:python_at], args[python_at:]
-    assert launcher[:6] == ["--num_nodes", nodes, "--num_gpus", "8", "--no_local_rank", "--no_python"]
-    if nodes != "1":  # several servers: the hostfile and the first host as master
-        assert launcher[6:] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101",
-                                "--master_port", "29500"]
+    assert launcher[:2] == ["--num_nodes", nodes] and launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
+    if nodes != "1":  # several servers, under supervisor.py: the job's hosts, the first as master
+        assert launcher[2] == "--hostfile" and launcher[4:8] == ["--master_addr", hosts[0], "--master_port", "29500"]
+        assert f"supervisor: restart" not in result.stdout and result.stdout.splitlines()[0].startswith("deepspeed --num_nodes")
+    else:
+        assert len(launcher) == 6
     assert program[1:3] == ["-u", "./run_pretraining.py"]
     for expected in ("--use_hpu", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
                      "--seed=12439", "--max_predictions_per_seq=20",

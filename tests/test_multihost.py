@@ -28,14 +28,18 @@ DEEPSPEED_ENV = f"OMP_NUM_THREADS=1\nGLOO_SOCKET_IFNAME={multihost.INTERFACE}\n"
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, test_hosts):
     """Shards, a 2-rank DeepSpeed config (fp32, ZeRO-1), the 2-host hostfile and a HOME with .deepspeed_env."""
-    root = tmp_path_factory.mktemp("multihost_job")
+    return make_job(tmp_path_factory.mktemp("multihost_job"), test_hosts, hosts=2)
+
+
+def make_job(root, test_hosts, hosts, gas=1):
+    """A job on the first `hosts` test hosts, one rank each (global batch 4 x gas x hosts)."""
     helpers.write_synthetic_shards(root / "data", [24, 40, 17])
     home = root / "home"
     home.mkdir()
     (home / ".deepspeed_env").write_text(DEEPSPEED_ENV)
     return {"root": root, "data": root / "data", "home": home,
-            "ds_config": helpers.write_ds_config(root / "ds.json", stage=1, bf16=False, micro=4, world=2),
-            "hostfile": test_hosts.hostfile(root / "hostfile", hosts=2, slots=1)}
+            "ds_config": helpers.write_ds_config(root / "ds.json", stage=1, bf16=False, micro=4, gas=gas, world=hosts),
+            "hostfile": test_hosts.hostfile(root / "hostfile", hosts=hosts, slots=1)}
 
 
 def launcher_env(hosts, job, results, nodes=2, ranks_per_node=1, **overrides):
@@ -111,8 +115,11 @@ def test_plain_deepspeed_hostfile_equals_one_host_and_resumes(test_hosts, job, t
     assert losses(tmp_path / "two.json") == losses(tmp_path / "one.json")
 
 
-def start_long_job(hosts, job, results, *extra):
-    env = launcher_env(hosts, job, results, HL_MAX_STEPS="60", HL_NUM_STEPS_PER_CP="5")
+def start_long_job(hosts, job, results, *extra, max_restarts=0):
+    # HL_MAX_RESTARTS=0 by default: the job ends at the first failure, as the failure tests below expect
+    # (restarts: tests/test_supervisor.py)
+    env = launcher_env(hosts, job, results, HL_MAX_STEPS="60", HL_NUM_STEPS_PER_CP="5",
+                       HL_MAX_RESTARTS=str(max_restarts))
     command = hosts.command_on(0, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5", *extra])
     log = open(results.parent / f"{results.name}.log", "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -187,10 +194,11 @@ def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, jo
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_on_every_host_with_a_checkpoint(test_hosts, job):
-    """SIGTERM to the launcher on host 1: it signals the ranks on both hosts over pdsh; they agree to stop
-    after the same step, save it and exit 0, and so does the launcher (no 30 s SIGKILL, no lost save)."""
+    """SIGTERM to the launcher on host 1 (supervisor.py, restarts on): it signals the ranks on both hosts
+    over pdsh; they agree to stop after the same step, save it and exit 0, and so does the launcher (no 30 s
+    SIGKILL, no lost save), without a restart."""
     results = job["root"] / "sigterm"
-    process, _, _ = start_long_job(test_hosts, job, results)
+    process, _, _ = start_long_job(test_hosts, job, results, max_restarts=2)
     try:
         wait_for(lambda: steps_logged(results / "dllogger.json") >= 2, process)
         process.send_signal(signal.SIGTERM)
@@ -200,6 +208,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_every_host_with_a_checkpoin
             process.kill()
     output = (results.parent / "sigterm.log").read_text()
     assert status == 0, output[-3000:]
+    assert output.count("deepspeed --num_nodes") == 1  # one attempt
+    assert not any(line.startswith(("supervisor:", "error: supervisor:")) for line in output.splitlines())
     last = max(losses(results / "dllogger.json"))
     assert last < 60 and (results / "checkpoints" / "latest").read_text().strip() == str(last)
     assert {p.name for p in (results / "checkpoints" / str(last)).glob("state_*.pt")} == {"state_0.pt", "state_1.pt"}

@@ -1,0 +1,300 @@
+#!/usr/bin/env python
+"""Runs a pretraining job across servers under DeepSpeed's `deepspeed` launcher, and restarts it on the
+servers that remain when it fails.
+
+    python supervisor.py --hostfile scripts/hostsfile --num_nodes 4 --ngpu_per_node 8 --master_port 29500 \
+        --deepspeed_config DS.json --data_dir DATA --json_summary results/dllogger.json \
+        --max_restarts 3 --restart_window_s 21600 --min_hosts 2 \
+        -- deepspeed --num_gpus 8 --no_local_rank --no_python /venv/bin/python -u ./run_pretraining.py ...
+
+The launchers for several servers run it (scripts/launch_common.sh, HL_MAX_RESTARTS etc.). It runs on the
+launching server only. Each attempt is the command after `--` with `--num_nodes K --hostfile F
+--master_addr A --master_port P` put after `deepspeed`: F lists the attempt's K hosts, A is the first of them.
+When an attempt exits non-zero (a rank died, a collective timed out, a host became unreachable):
+- every host of the job (the first --num_nodes of the hostfile) is checked with the preflight's checks
+  (preflight.py: ssh, the same code, Python and pinned packages, the data directory);
+- the next attempt runs on the hosts that pass, as many of them as keep the DeepSpeed config's global batch
+  (the accumulation steps adapt), resuming from the last checkpoint; a host that passes again is back;
+- it stops, with one `error: supervisor:` line, when fewer than --min_hosts hosts can be used, when
+  --max_restarts restarts were made within --restart_window_s seconds, or when the job failed --max_restarts
+  times in a row the same way (the same error line, from the same checkpoint).
+Each restart is one `supervisor:` line on stdout and a record (step "SUPERVISOR") in the dllogger stream.
+SIGTERM/SIGINT: the ranks on every host of the attempt are signalled (scripts/signal_ranks.sh over pdsh):
+they save a checkpoint and exit 0, and so does the supervisor; nothing is restarted.
+"""
+
+import argparse
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from preflight import REPO_ROOT, PreflightError, hosts_for_job, parse_hostfile, problems_by_host, read_batch_arithmetic
+
+try:
+    import dllogger
+except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
+    import dllogger_fallback as dllogger
+
+# After a rank's error line, the time the runner has to exit before it is ended: pdsh waits for every ssh
+# connection, and one to a server that vanished may never end (without ServerAliveInterval in ssh's config).
+EXIT_GRACE_S = 60.0
+POLL_S = 0.2
+# A line of the job's output, optionally behind pdsh's "host: " prefix.
+ERROR_LINE = re.compile(r"^(?:\S+: )?error: (.+)$")
+CHECKPOINT_LINE = re.compile(r"\[run_pretraining\] (?:saved|resumed from) checkpoint ([^:\s]+)")
+
+
+class SupervisorStop(Exception):
+    """The supervisor gives up; its text is the one line saying why."""
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended, as far as its output tells."""
+    status: int
+    reason: str | None = None       # the first error line of the job (pdsh's host prefix removed)
+    checkpoint: str | None = None   # the last checkpoint the ranks saved or resumed from
+
+
+class OutputWatcher:
+    """Copies the job's output through, and notes its first error line and the last checkpoint it names."""
+
+    def __init__(self, checkpoint=None):
+        self.reason, self.checkpoint, self.reason_seen_at = None, checkpoint, None
+        self.threads = []
+
+    def note(self, line: str) -> None:
+        error = ERROR_LINE.match(line)
+        if error and self.reason is None:
+            self.reason, self.reason_seen_at = error.group(1).strip(), time.monotonic()
+        saved = CHECKPOINT_LINE.search(line)
+        if saved:
+            self.checkpoint = saved.group(1)
+
+    def follow(self, stream, sink) -> None:
+        def pump():
+            for line in stream:
+                sink.write(line)
+                sink.flush()
+                self.note(line.rstrip("\n"))
+        thread = threading.Thread(target=pump, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self, timeout: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout)
+
+
+class RestartBudget:
+    """At most max_restarts restarts within window_s seconds, and no restart after max_restarts identical
+    failures in a row (the same error from the same checkpoint: bad data or a bug, not a lost server)."""
+
+    def __init__(self, max_restarts: int, window_s: float):
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.restart_times = collections.deque()
+        self.last_failure, self.repeats = None, 0
+
+    def refusal(self, outcome: Outcome, now: float) -> str | None:
+        """Why the job must not be restarted after `outcome` (None: restart), counting it as a failure."""
+        failure = (outcome.reason, outcome.checkpoint)
+        self.repeats = self.repeats + 1 if failure == self.last_failure else 1
+        self.last_failure = failure
+        if self.max_restarts == 0:
+            return "restarts are off (--max_restarts 0)"
+        if self.repeats >= max(2, self.max_restarts):
+            return f"the job failed {self.repeats} times in a row the same way, from {resume_point(outcome)}"
+        while self.restart_times and now - self.restart_times[0] > self.window_s:
+            self.restart_times.popleft()
+        if len(self.restart_times) >= self.max_restarts:
+            return f"{len(self.restart_times)} restarts within the last {self.window_s:g} s (--max_restarts, --restart_window_s)"
+        self.restart_times.append(now)
+        return None
+
+
+def resume_point(outcome: Outcome) -> str:
+    return f"checkpoint {outcome.checkpoint}" if outcome.checkpoint else "the start (no checkpoint seen)"
+
+
+def usable_hosts(passing: list, ngpu_per_node: int, ds_config, min_hosts: int) -> list:
+    """The first K of the hosts that passed, K the most (at least min_hosts) that keep the global batch."""
+    if len(passing) < min_hosts:
+        raise SupervisorStop(f"{len(passing)} host(s) pass the checks, fewer than --min_hosts {min_hosts}")
+    first_error = None
+    for count in range(len(passing), min_hosts - 1, -1):
+        try:
+            read_batch_arithmetic(ds_config, count * ngpu_per_node)
+            return passing[:count]
+        except PreflightError as err:
+            first_error = first_error or err
+    raise SupervisorStop(f"{first_error}, nor on fewer hosts down to --min_hosts {min_hosts}")
+
+
+class Supervisor:
+    def __init__(self, args, command: list, workdir, check_hosts=problems_by_host):
+        self.args, self.command, self.workdir, self.check_hosts = args, command, Path(workdir), check_hosts
+        self.job_hosts = hosts_for_job(parse_hostfile(args.hostfile), args.num_nodes, args.ngpu_per_node,
+                                       args.hostfile)
+        self.budget = RestartBudget(args.max_restarts, args.restart_window_s)
+        self.stop_requests = self.stops_forwarded = 0
+
+    def request_stop(self, signum, frame) -> None:
+        self.stop_requests += 1  # acted on by the loop in run_attempt (no subprocess inside a handler)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> int:
+        hosts, checkpoint, restarts = [host.name for host in self.job_hosts], None, 0
+        while True:
+            outcome = self.run_attempt(hosts, restarts, checkpoint)
+            checkpoint = outcome.checkpoint
+            if outcome.status == 0 or self.stop_requests:
+                return outcome.status
+            try:
+                refusal = self.budget.refusal(outcome, time.monotonic())
+                if refusal:
+                    raise SupervisorStop(refusal)
+                problems = self.check_hosts(self.job_hosts, self.args.data_dir, self.args.ssh_timeout)
+                if self.stop_requests:
+                    raise SupervisorStop("a stop was requested (SIGTERM/SIGINT) while the hosts were checked")
+                passing = [host.name for host in self.job_hosts if not problems[host.name]]
+                chosen = usable_hosts(passing, self.args.ngpu_per_node, self.args.deepspeed_config, self.args.min_hosts)
+            except SupervisorStop as stop:
+                if self.args.max_restarts:
+                    self.stop_line(stop, outcome)
+                return outcome.status
+            restarts += 1
+            self.end_leftovers(chosen, hosts[0])
+            self.restart_line(restarts, outcome, hosts, chosen, problems)
+            hosts = chosen
+
+    def run_attempt(self, hosts: list, attempt: int, checkpoint) -> Outcome:
+        hostfile = self.workdir / f"hostfile_{attempt}"
+        hostfile.write_text("".join(f"{name} slots={self.args.ngpu_per_node}\n" for name in hosts))
+        command = [self.command[0], "--num_nodes", str(len(hosts)), "--hostfile", str(hostfile), "--master_addr",
+                   hosts[0], "--master_port", str(self.args.master_port), *self.command[1:]]
+        print(" ".join(command), flush=True)
+        # A session of its own: a Ctrl-C at the terminal reaches the supervisor only, which stops the ranks.
+        runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  errors="replace", start_new_session=True)
+        watcher = OutputWatcher(checkpoint)
+        watcher.follow(runner.stdout, sys.stdout)
+        watcher.follow(runner.stderr, sys.stderr)
+        ended = False
+        while runner.poll() is None:
+            if self.stop_requests > self.stops_forwarded:
+                self.stops_forwarded = self.stop_requests
+                if self.signal_ranks(hosts, hosts[0], "TERM") == 0:
+                    runner.send_signal(signal.SIGTERM)  # start-up, no rank yet: the runner stops its pdsh
+            elif (not ended and not self.stop_requests and watcher.reason_seen_at is not None
+                  and time.monotonic() - watcher.reason_seen_at > EXIT_GRACE_S):
+                print(f"supervisor: the job has not ended {EXIT_GRACE_S:g} s after its error: ending the runner",
+                      flush=True)
+                os.killpg(runner.pid, signal.SIGKILL)  # the runner, pdsh and its ssh clients
+                ended = True
+            time.sleep(POLL_S)
+        watcher.join(timeout=10)
+        return Outcome(runner.returncode, watcher.reason, watcher.checkpoint)
+
+    # ---------------------------------------------------------------- hosts
+    def signal_ranks(self, hosts: list, master_addr: str, signal_name: str) -> int:
+        """Send a signal to this job's ranks (found by master address and port) on `hosts`; returns how
+        many were signalled."""
+        result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "signal_ranks.sh"), "--hosts", ",".join(hosts),
+                                 master_addr, str(self.args.master_port), signal_name], capture_output=True, text=True)
+        return int(result.stdout.strip() or 0)
+
+    def end_leftovers(self, hosts: list, previous_master: str) -> None:
+        """Ranks of the last attempt still alive on the hosts of the next (a host back from a network cut
+        keeps its ranks until their collectives time out) would hold memory and devices: SIGKILL them."""
+        self.signal_ranks(hosts, previous_master, "KILL")
+
+    # ---------------------------------------------------------------- reports
+    def restart_line(self, restarts: int, outcome: Outcome, previous: list, chosen: list, problems: dict) -> None:
+        left = [name for name in previous if name not in chosen]
+        back = [name for name in chosen if name not in previous]
+        why_left = {name: problems[name][0] if problems.get(name) else "passes, but the global batch needs fewer hosts"
+                    for name in left}
+        reason = outcome.reason or f"the job exited with status {outcome.status}"
+        print(f"supervisor: restart {restarts} (at most {self.args.max_restarts} within {self.args.restart_window_s:g} s) "
+              f"at {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC after: {reason}; resuming from {resume_point(outcome)} on "
+              f"{len(chosen)} host(s) {','.join(chosen)}; left out: "
+              f"{'; '.join(f'{name} ({why})' for name, why in why_left.items()) or 'none'}; "
+              f"back: {','.join(back) or 'none'}", flush=True)
+        self.log_event({"event": "restart", "restart": restarts, "reason": reason, "exit_status": outcome.status,
+                        "resume_from_checkpoint": outcome.checkpoint, "hosts": chosen, "hosts_left": why_left,
+                        "hosts_back": back})
+
+    def stop_line(self, stop: SupervisorStop, outcome: Outcome) -> None:
+        reason = outcome.reason or f"the job exited with status {outcome.status}"
+        print(f"error: supervisor: not restarting: {stop}; the job's last error: {reason}", file=sys.stderr,
+              flush=True)
+        self.log_event({"event": "stop", "why": str(stop), "reason": reason, "exit_status": outcome.status,
+                        "checkpoint": outcome.checkpoint})
+
+    def log_event(self, data: dict) -> None:
+        """One record in the job's dllogger stream (no rank writes it between two attempts)."""
+        logger = dllogger.Logger(backends=[dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE,
+                                                                      str(self.args.json_summary), append=True)])
+        logger.log(step="SUPERVISOR", data=data)
+        logger.flush()
+
+
+# ============================================================================ command line
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [options] -- deepspeed [its options] program ...")
+    add = parser.add_argument
+    add("--hostfile", required=True, help="DeepSpeed hostfile; the job's hosts are its first --num_nodes.")
+    add("--num_nodes", type=int, required=True, help="Hosts of the job.")
+    add("--ngpu_per_node", type=int, required=True, help="Ranks per host.")
+    add("--master_port", type=int, default=29500, help="Port of the rendezvous on the attempt's first host.")
+    add("--deepspeed_config", required=True, help="DeepSpeed JSON (its global batch decides the usable host counts).")
+    add("--data_dir", required=True, help="Shard directory, checked on every host before a restart.")
+    add("--json_summary", required=True, help="The job's dllogger stream; restart events are added to it.")
+    add("--max_restarts", type=int, default=3, help="Restarts within --restart_window_s (0: none).")
+    add("--restart_window_s", type=float, default=21600, help="Window of the restart budget, in seconds.")
+    add("--min_hosts", type=int, default=1, help="Fewest hosts to go on with.")
+    add("--ssh_timeout", type=float, default=15.0, help="Seconds each host has to answer the checks.")
+    return parser
+
+
+def parse_arguments(argv: list):
+    parser = build_parser()
+    if "--" not in argv:
+        parser.error("give the deepspeed command after '--'")
+    split = argv.index("--")
+    args, command = parser.parse_args(argv[:split]), argv[split + 1:]
+    if not command:
+        parser.error("give the deepspeed command after '--'")
+    if args.max_restarts < 0 or args.restart_window_s <= 0 or args.ssh_timeout <= 0:
+        parser.error("--max_restarts must be >= 0, --restart_window_s and --ssh_timeout positive")
+    if not 1 <= args.min_hosts <= args.num_nodes:
+        parser.error(f"--min_hosts must be between 1 and --num_nodes {args.num_nodes}, got {args.min_hosts}")
+    return args, command
+
+
+def main(argv=None) -> int:
+    args, command = parse_arguments(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="supervisor_") as workdir:  # the attempts' hostfiles
+        try:
+            supervisor = Supervisor(args, command, workdir)
+        except PreflightError as err:
+            print(f"error: supervisor: {err}", file=sys.stderr)
+            return 1
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, supervisor.request_stop)
+        return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""supervisor.py: which hosts a restart uses, when it stops, what it reports, and its attempt loop.
+
+The loop runs here against a stand-in `deepspeed` runner (a small script that plays a failure per attempt
+and records the hostfile it was given), with the host checks given as data.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+import helpers
+import supervisor
+
+
+def ds_config(tmp_path, micro=4, total=24):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": total, "train_micro_batch_size_per_gpu": micro}))
+    return path
+
+
+def test_usable_hosts_keep_the_global_batch_and_the_minimum(tmp_path):
+    config = ds_config(tmp_path)  # 24 = 4 x accumulation x ranks: 1, 2, 3 or 6 ranks
+    assert supervisor.usable_hosts(["a", "b", "c"], 1, config, 1) == ["a", "b", "c"]
+    assert supervisor.usable_hosts(["a", "b", "c", "d", "e"], 1, config, 1) == ["a", "b", "c"]
+    assert supervisor.usable_hosts(["a", "b", "c", "d", "e"], 2, config, 1) == ["a", "b", "c"]  # 6 ranks
+    with pytest.raises(supervisor.SupervisorStop, match=r"^1 host\(s\) pass the checks, fewer than --min_hosts 2$"):
+        supervisor.usable_hosts(["a"], 1, config, 2)
+    with pytest.raises(supervisor.SupervisorStop, match=r"train_batch_size 24 is not a multiple of .* x world size 5: "
+                                                        r"this global batch cannot be kept on 5 ranks, nor on fewer "
+                                                        r"hosts down to --min_hosts 4$"):
+        supervisor.usable_hosts(["a", "b", "c", "d", "e"], 1, config, 4)
+
+
+def test_budget_counts_restarts_in_the_window_and_identical_failures():
+    budget = supervisor.RestartBudget(max_restarts=2, window_s=100)
+    lost = supervisor.Outcome(1, "rank 0: the connection to rank 1 broke", "10")
+    assert budget.refusal(lost, now=0) is None
+    assert budget.refusal(supervisor.Outcome(1, "rank 0: timed out", "20"), now=50) is None
+    assert budget.refusal(supervisor.Outcome(1, "other", "30"), now=90) == (
+        "2 restarts within the last 100 s (--max_restarts, --restart_window_s)")
+    assert budget.refusal(supervisor.Outcome(1, "another", "40"), now=151) is None  # the restart at 0 left the window
+
+    repeating = supervisor.RestartBudget(max_restarts=3, window_s=1e9)
+    crash = supervisor.Outcome(1, "shard x is corrupt", "5")
+    assert repeating.refusal(crash, now=0) is None and repeating.refusal(crash, now=1) is None
+    assert repeating.refusal(crash, now=2) == "the job failed 3 times in a row the same way, from checkpoint 5"
+    assert supervisor.resume_point(supervisor.Outcome(1)) == "the start (no checkpoint seen)"
+    # The same error from a later checkpoint is progress, not a repeat; one restart allowed means one restart.
+    again = supervisor.RestartBudget(max_restarts=3, window_s=1e9)
+    assert again.refusal(crash, 0) is None and again.refusal(supervisor.Outcome(1, crash.reason, "6"), 1) is None
+    assert supervisor.RestartBudget(1, 1e9).refusal(crash, 0) is None
+    assert supervisor.RestartBudget(0, 1e9).refusal(crash, 0) == "restarts are off (--max_restarts 0)"
+
+
+def test_output_watcher_takes_the_first_error_and_the_last_checkpoint():
+    watcher = supervisor.OutputWatcher(checkpoint="3")
+    for line in ["10.0.0.1: [run_pretraining] resumed from checkpoint 3: phase 1, step 3, 36 samples consumed",
+                 "10.0.0.1: [run_pretraining] saved checkpoint 6",
+                 "10.0.0.1: error: rank 0 on n1 (10.0.0.1): the connection to rank 1 on n2 (10.0.0.2) broke",
+                 "10.0.0.3: error: rank 2 on n3 (10.0.0.3): the connection to rank 1 on n2 (10.0.0.2) broke",
+                 "pdsh@n1: 10.0.0.2: ssh exited with exit code 255", "the terror: not an error line"]:
+        watcher.note(line)
+    assert watcher.reason == "rank 0 on n1 (10.0.0.1): the connection to rank 1 on n2 (10.0.0.2) broke"
+    assert watcher.checkpoint == "6"
+    assert supervisor.OutputWatcher().checkpoint is None
+
+
+# A stand-in for the `deepspeed` runner: attempt k (counted in a file) copies the hostfile it was given and
+# its arguments, then plays PLAN[k]: "ok" (exit 0), "fail" (saves checkpoint 4k, prints a rank's error
+# line and exits 1), "crash" (the same error from the same checkpoint every time) or "hang" (an error line,
+# then no exit).
+STUB_RUNNER = textwrap.dedent("""\
+    import json, sys, time
+    from pathlib import Path
+    log, plan = Path(LOG), PLAN
+    attempt = len(list(log.glob("args_*")))
+    args = sys.argv[1:]
+    (log / f"args_{attempt}").write_text(json.dumps(args))
+    (log / f"hosts_{attempt}").write_text(Path(args[args.index("--hostfile") + 1]).read_text())
+    step = plan[min(attempt, len(plan) - 1)]
+    if step == "ok":
+        sys.exit(0)
+    if step == "crash":
+        print("10.0.0.1: error: shard_1_training.hdf5 is corrupt", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"10.0.0.1: [run_pretraining] saved checkpoint {4 * (attempt + 1)}", flush=True)
+    print(f"10.0.0.1: error: rank 0 on n1 (10.0.0.1): attempt {attempt} lost a peer", file=sys.stderr, flush=True)
+    if step == "hang":
+        time.sleep(600)
+    sys.exit(1)
+    """)
+
+
+class Recorder:
+    """The host checks, played from a list: one {host: [problem lines]} per restart."""
+
+    def __init__(self, results):
+        self.results, self.calls = list(results), 0
+
+    def __call__(self, hosts, data_dir, timeout):
+        problems = {host.name: [] for host in hosts}
+        problems.update(self.results[self.calls])
+        self.calls += 1
+        return problems
+
+
+def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3, total=24):
+    log = tmp_path / "log"
+    log.mkdir(parents=True)
+    runner = tmp_path / "deepspeed_stub.py"
+    runner.write_text(f"#!{sys.executable}\nLOG = {str(log)!r}\nPLAN = {plan!r}\n" + STUB_RUNNER)
+    runner.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"10.0.0.{i + 1} slots=1\n" for i in range(nodes)) + "10.0.0.9 slots=1\n")
+    args = SimpleNamespace(hostfile=hostfile, num_nodes=nodes, ngpu_per_node=1, master_port=29999,
+                           deepspeed_config=ds_config(tmp_path, total=total), data_dir=tmp_path,
+                           json_summary=tmp_path / "dllogger.json", max_restarts=max_restarts, restart_window_s=3600,
+                           min_hosts=min_hosts, ssh_timeout=5)
+    job = supervisor.Supervisor(args, [str(runner), "--no_python", "prog", "--flag"], tmp_path / "work",
+                                check_hosts=Recorder(checks))
+    (tmp_path / "work").mkdir()
+    job.signal_ranks = lambda hosts, master, name: 0  # the stand-in has no ranks on other hosts
+    attempts = []
+    status = job.run()
+    for k in range(len(list(log.glob("args_*")))):
+        attempts.append(((log / f"hosts_{k}").read_text().split("\n")[:-1], json.loads((log / f"args_{k}").read_text())))
+    events = [r["data"] for r in helpers.read_dllogger(args.json_summary)] if args.json_summary.exists() else []
+    return status, attempts, events
+
+
+def test_a_lost_host_is_left_out_then_taken_back(tmp_path, capsys):
+    status, attempts, events = run_supervisor(tmp_path, ["fail", "fail", "ok"], [
+        {"10.0.0.2": ["host 10.0.0.2: ssh failed: Connection refused"]},  # after attempt 0
+        {"10.0.0.3": ["host 10.0.0.3: no answer over ssh within 5 s"]},  # after attempt 1: 2 is back
+    ])
+    assert status == 0
+    assert [hosts for hosts, _ in attempts] == [
+        ["10.0.0.1 slots=1", "10.0.0.2 slots=1", "10.0.0.3 slots=1"],  # the job's hosts: not the spare 10.0.0.9
+        ["10.0.0.1 slots=1", "10.0.0.3 slots=1"], ["10.0.0.1 slots=1", "10.0.0.2 slots=1"]]
+    _, args = attempts[1]
+    assert args[:8] == ["--num_nodes", "2", "--hostfile", args[3], "--master_addr", "10.0.0.1", "--master_port", "29999"]
+    assert args[8:] == ["--no_python", "prog", "--flag"]
+    out = capsys.readouterr().out
+    restarts = [line for line in out.splitlines() if line.startswith("supervisor: restart")]
+    assert len(restarts) == 2
+    assert "after: rank 0 on n1 (10.0.0.1): attempt 0 lost a peer; resuming from checkpoint 4 on 2 host(s) " \
+           "10.0.0.1,10.0.0.3; left out: 10.0.0.2 (host 10.0.0.2: ssh failed: Connection refused); back: none" in restarts[0]
+    assert "resuming from checkpoint 8 on 2 host(s) 10.0.0.1,10.0.0.2; left out: 10.0.0.3 (host 10.0.0.3: no answer " \
+           "over ssh within 5 s); back: 10.0.0.2" in restarts[1]
+    assert [(e["event"], e["restart"], e["resume_from_checkpoint"], e["hosts"], list(e["hosts_left"]), e["hosts_back"])
+            for e in events] == [("restart", 1, "4", ["10.0.0.1", "10.0.0.3"], ["10.0.0.2"], []),
+                                 ("restart", 2, "8", ["10.0.0.1", "10.0.0.2"], ["10.0.0.3"], ["10.0.0.2"])]
+
+
+def test_a_repeating_crash_stops_after_n_attempts_with_its_reason(tmp_path, capsys):
+    status, attempts, events = run_supervisor(tmp_path, ["crash"], [{}, {}, {}], max_restarts=2)
+    assert status == 1 and len(attempts) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("error: supervisor: not restarting: the job failed 2 times in a row the same way, from "
+                       "the start (no checkpoint seen); the job's last error: shard_1_training.hdf5 is corrupt")
+    assert events[-1]["event"] == "stop" and events[-1]["reason"] == "shard_1_training.hdf5 is corrupt"
+
+
+def test_too_few_hosts_or_no_batch_split_stop_with_one_line(tmp_path, capsys):
+    status, attempts, _ = run_supervisor(tmp_path / "few", ["fail"], [{"10.0.0.2": ["x"], "10.0.0.3": ["y"]}],
+                                         min_hosts=2)
+    assert status == 1 and len(attempts) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "error: supervisor: not restarting: 1 host(s) pass the checks, fewer than --min_hosts 2; the job's last error: "
+        "rank 0 on n1 (10.0.0.1): attempt 0 lost a peer")
+    # 4 hosts, global batch 16 = 4 x 1 x 4: 3 hosts cannot keep it, 2 can (accumulation 2)
+    status, attempts, events = run_supervisor(tmp_path / "split", ["fail", "ok"], [{"10.0.0.4": ["gone"]}],
+                                              nodes=4, total=16)
+    assert status == 0 and [len(hosts) for hosts, _ in attempts] == [4, 2]
+    assert events[0]["hosts_left"] == {"10.0.0.3": "passes, but the global batch needs fewer hosts",
+                                       "10.0.0.4": "gone"}
+
+
+def test_a_runner_that_does_not_exit_after_an_error_is_ended(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(supervisor, "EXIT_GRACE_S", 1.0)
+    status, attempts, _ = run_supervisor(tmp_path, ["hang", "ok"], [{}])
+    assert status == 0 and len(attempts) == 2
+    assert "supervisor: the job has not ended 1 s after its error: ending the runner" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_one_line(tmp_path):
+    base = [sys.executable, str(helpers.REPO_ROOT / "supervisor.py"), "--hostfile", str(tmp_path / "none"),
+            "--num_nodes", "2", "--ngpu_per_node", "1", "--deepspeed_config", "x", "--data_dir", ".",
+            "--json_summary", "j"]
+    result = subprocess.run([*base, "--min_hosts", "3", "--", "deepspeed"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
+        "--min_hosts must be between 1 and --num_nodes 2, got 3")
+    result = subprocess.run([*base, "--", "deepspeed"], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.strip() == (
+        f"error: supervisor: hostfile {tmp_path / 'none'}: No such file or directory")
+
