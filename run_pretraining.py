@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--skip_memory_check", action="store_true", help="Train even when the memory planner (sizing.py) predicts "
         "that the run does not fit the device.")
     add("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded from an s3:// "
-        "--input_dir (one subdirectory per rank) and for checkpoints on their way to an s3:// --output_dir.")
-    add("--s3_cache_gb", type=float, default=50, help="Bound of each rank's S3 shard cache, GiB (at least the "
+        "--input_dir (one subdirectory per server, shared by its ranks) and for checkpoints on their way to an s3:// --output_dir.")
+    add("--s3_cache_gb", type=float, default=50, help="Bound of each server's S3 shard cache, GiB (at least the "
         "largest shard; two shards or more let the next shard download while one is read).")
     add("--s3_endpoint_url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).")
     add("--collective_timeout_s", type=float, default=1800, help="A collective (all-reduce, barrier) waiting this "
@@ -195,7 +195,7 @@ def open_s3_output(args):
 
 
 def open_shard_files(args):
-    """Where the shards are read from: the directory, or for s3:// this rank's bounded download cache."""
+    """Where the shards are read from: the directory, or for s3:// this server's bounded download cache."""
     if not storage.is_s3_url(args.input_dir):
         if not Path(args.input_dir).is_dir():
             raise InputError(f"--input_dir {args.input_dir} does not exist or is not a directory")
@@ -204,8 +204,7 @@ def open_shard_files(args):
         raise InputError(f"--s3_cache_gb must be positive, got {args.s3_cache_gb}")
     store = storage.S3Store(args.input_dir, args.s3_endpoint_url)
     store.check_access()
-    cache_dir = Path(args.s3_cache_dir) / "shards" / f"rank{os.environ.get('RANK', '0')}"
-    return storage.ShardCache(store, cache_dir, int(args.s3_cache_gb * 2 ** 30))
+    return storage.ShardCache(store, storage.server_cache_dir(args.s3_cache_dir), int(args.s3_cache_gb * 2 ** 30))
 
 
 def load_deepspeed_config(args, world_size: int) -> dict:

@@ -21,10 +21,14 @@ backoff with jitter); AWS_RETRY_MODE and AWS_MAX_ATTEMPTS override it.
 """
 
 import collections
+import fcntl
+import glob
 import hashlib
 import io
 import os
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,10 @@ DOWNLOAD_THREADS = 8
 RANGE_BLOCK = 1 << 20  # RangeFile reads whole blocks of this size
 _ETAG_SUFFIX = ".etag"  # a cached file's verified ETag lives beside it, in .<name>.etag
 _PARTIAL = ".partial"
+_LOCK = ".lock"
+_HEAD = ".head"
+_SPACE_LOCK = ".space.lock"
+ROOM_POLL_S = 0.1  # how often a download waiting for room in the shard cache looks again
 
 
 class StorageError(RuntimeError):
@@ -238,7 +246,7 @@ class S3Store:
     def _get_to_file(self, remote: RemoteObject, path: Path) -> None:
         """The object into `path` by ranged GETs, several at a time. (Not boto3's download_file: its
         temporary names come from Python's global `random`, which training checkpoints record.)"""
-        with open(path, "wb") as f:
+        with open(path, "ab") as f:  # not "wb": a shard cache counts the partial file's size as claimed room
             f.truncate(remote.size)
         ranges = [(start, min(start + DOWNLOAD_RANGE, remote.size)) for start in range(0, remote.size, DOWNLOAD_RANGE)]
 
@@ -338,9 +346,11 @@ class RangeFile(io.RawIOBase):
     """A read-only, seekable file over one S3 object, read by ranged GETs of RANGE_BLOCK bytes (a few
     blocks are kept). For h5py to read a shard's header without downloading the shard."""
 
-    def __init__(self, store: S3Store, remote: RemoteObject, keep_blocks: int = 8):
+    def __init__(self, store: S3Store, remote: RemoteObject, keep_blocks: int = 8, fetch=None):
+        """fetch(remote, start, end) -> bytes [start, end) of the object (default: a ranged GET)."""
         super().__init__()
         self.store, self.remote, self.position = store, remote, 0
+        self._fetch = fetch or (lambda remote, start, end: store.get_bytes(remote.name, (start, end)))
         self._blocks, self._keep = collections.OrderedDict(), keep_blocks
 
     def readable(self):
@@ -360,8 +370,7 @@ class RangeFile(io.RawIOBase):
     def _block(self, index: int) -> bytes:
         if index not in self._blocks:
             start = index * RANGE_BLOCK
-            self._blocks[index] = self.store.get_bytes(self.remote.name,
-                                                       (start, min(start + RANGE_BLOCK, self.remote.size)))
+            self._blocks[index] = self._fetch(self.remote, start, min(start + RANGE_BLOCK, self.remote.size))
             if len(self._blocks) > self._keep:
                 self._blocks.popitem(last=False)
         self._blocks.move_to_end(index)
@@ -379,44 +388,61 @@ class RangeFile(io.RawIOBase):
         return done
 
 
-class ShardCache:
-    """Local copies of the objects directly under one S3 prefix, in `cache_dir`, at most `capacity`
-    bytes together (the copies being downloaded included).
+def server_cache_dir(s3_cache_dir) -> Path:
+    """The shard cache of this server, shared by its local ranks: <s3_cache_dir>/shards/<host name>. One
+    directory per host, so that an --s3_cache_dir on a filesystem that servers share still gives one cache
+    per server, and each cache's locks are only ever taken on one host."""
+    return Path(s3_cache_dir) / "shards" / socket.gethostname()
 
-    local_path(url) gives the local copy of an object, downloading it when needed and evicting the
-    least recently used other copies to make room; prefetch(url) downloads one object in the
-    background if it fits without evicting the copy in use. A copy left by an earlier run is reused
-    when its size and recorded ETag still match the object's. One cache per process: two processes
-    must not share a directory. The same methods as data.dataset.LocalShardFiles, so the data reader
-    takes either.
+
+class ShardCache:
+    """Local copies of the objects directly under one S3 prefix, in `cache_dir`, shared by the processes of
+    one server (its local ranks), at most `capacity` bytes together (downloads under way included).
+
+    local_path(url) gives the local copy of an object, downloading it unless a local process already has,
+    and evicting the least recently used copies that no local process holds; prefetch(url) downloads one in
+    the background if it fits now. A copy left by an earlier run is used when its size and recorded ETag
+    still match the object's. The same methods as data.dataset.LocalShardFiles, so the reader takes either.
+
+    The processes coordinate through flock(2) locks, which the kernel drops when a process dies: a rank
+    killed at any point leaves no stale lock.
+    - `.<name>.lock`, one per object: a download holds it exclusively; a reader holds it shared from
+      local_path() until it asks for another object (or closes), so a copy is never evicted while a local
+      rank reads it. Eviction takes it exclusively without waiting, and passes over a copy it cannot get.
+      (Chosen over per-rank hard links, which would keep an evicted file's blocks on disk past the bound.)
+    - `.space.lock`: held while the bytes in use are added up and a download claims its room (its partial
+      file, made full size at once), so two ranks never both count the same free bytes.
+    A download lands under `.<name>.partial` and is renamed only once verified; `.<name>.etag` is written
+    after the rename, so a copy without it (a kill between the two) is fetched again, and nothing half
+    written is ever read. A partial file whose lock nobody holds was left by a killed rank: it is deleted.
+    Header reads (ranged GETs) are shared too: each block fetched is kept in `.<name>.<etag>.<offset>.head`
+    until the whole object is downloaded (a few MiB per object, outside the bound).
     """
 
     def __init__(self, store: S3Store, cache_dir, capacity: int):
         self.store, self.cache_dir, self.capacity = store, Path(cache_dir), int(capacity)
         self.objects = {store.url(o.name): o for o in store.list_objects()}
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Condition()
-        self._present = collections.OrderedDict()   # url -> size, least recently used first
-        self._pending = {}                           # url -> Future of its download
-        self._current = None                         # the url being read: never evicted for a prefetch
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="s3-download")
-        self.downloaded_bytes = 0
-        self._adopt_earlier_copies()
+        self._held = None                      # (url, open lock file) of the object being read, locked shared
+        self._lock = threading.Lock()
+        self._prefetching = set()              # urls handed to the prefetch thread and not done
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="s3-prefetch")
+        self.downloaded_bytes = 0              # by this process
 
-    def _local(self, url: str) -> Path:
-        return self.cache_dir / self.objects[url].name
+    def _file(self, url: str, suffix: str = "") -> Path:
+        name = self.objects[url].name
+        return self.cache_dir / (f".{name}{suffix}" if suffix else name)
 
-    def _etag_file(self, url: str) -> Path:
-        return self.cache_dir / f".{self.objects[url].name}{_ETAG_SUFFIX}"
+    def _lock_file(self, url: str, suffix: str = _LOCK):
+        return open(self._file(url, suffix), "a+b")
 
-    def _adopt_earlier_copies(self) -> None:
-        for stale in self.cache_dir.glob(f".*{_PARTIAL}"):
-            stale.unlink()
-        for url, remote in self.objects.items():
-            local, etag_file = self._local(url), self._etag_file(url)
-            if local.is_file() and etag_file.is_file() and local.stat().st_size == remote.size \
-                    and etag_file.read_text() == remote.etag:
-                self._present[url] = remote.size
+    def _is_present(self, url: str) -> bool:
+        remote = self.objects[url]
+        try:
+            return (self._file(url).stat().st_size == remote.size
+                    and self._file(url, _ETAG_SUFFIX).read_text() == remote.etag)
+        except FileNotFoundError:
+            return False
 
     def list_files(self) -> list[str]:
         return sorted(self.objects)
@@ -430,63 +456,141 @@ class ShardCache:
                                f"{largest} ({size / 2 ** 30:.3g} GiB): raise --s3_cache_gb")
 
     def header_file(self, url: str):
-        """Something h5py can open to read the object's header: the local copy, or ranged reads."""
-        with self._lock:
-            if url in self._present:
-                return self._local(url)
-        return io.BufferedReader(RangeFile(self.store, self.objects[url]), buffer_size=RANGE_BLOCK)
+        """Something h5py can open to read the object's header: the local copy (opened under the lock, so an
+        eviction cannot take it away), or ranged reads shared by the local ranks."""
+        with self._lock_file(url) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if self._is_present(url):
+                return open(self._file(url), "rb")
+        return io.BufferedReader(RangeFile(self.store, self.objects[url], fetch=self._header_block),
+                                 buffer_size=RANGE_BLOCK)
+
+    def _header_block(self, remote: RemoteObject, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object, fetched once per server: the first local rank to ask GETs them
+        and keeps them; the others wait on the object's header lock (never its copy's lock, which a rank
+        that already trains may hold for long) and read them."""
+        url = self.store.url(remote.name)
+        kept = self._file(url, f".{remote.etag}.{start}{_HEAD}")
+        with self._lock_file(url, _HEAD + _LOCK) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if kept.is_file():
+                return kept.read_bytes()
+            data = self.store.get_bytes(remote.name, (start, end))
+            partial = kept.with_name(kept.name + _PARTIAL)
+            partial.write_bytes(data)
+            os.replace(partial, kept)
+            return data
 
     def local_path(self, url: str) -> Path:
-        """The local copy of `url`, downloaded if needed; it stays until another one is asked for."""
-        with self._lock:
-            self._current = url
-            if url in self._present:
-                self._present.move_to_end(url)
-                return self._local(url)
-            future = self._pending.get(url) or self._start_download(url, keep={url}, required=True)
-        future.result()
-        return self._local(url)
+        """The local copy of `url`, downloaded if needed; no local rank evicts it until this process asks
+        for another one (or closes)."""
+        self._release_held()  # first: a rank waiting for room may need the copy this one held
+        lock = self._lock_file(url)
+        try:
+            while True:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                if self._is_present(url):
+                    break
+                fcntl.flock(lock, fcntl.LOCK_EX)  # drops the shared lock, then waits for a download under way
+                if not self._is_present(url):
+                    self._claim_room(url, wait=True)
+                    self._download(url)
+                # back to shared (not atomic: an eviction may come between, hence the loop)
+        except BaseException:
+            lock.close()
+            raise
+        os.utime(self._file(url))  # recently used: the eviction order of every local rank
+        self._held = (url, lock)
+        return self._file(url)
+
+    def _release_held(self) -> None:
+        if self._held is not None:
+            self._held[1].close()
+            self._held = None
 
     def prefetch(self, url: str) -> None:
-        """Download `url` in the background when it fits without evicting the copy being read."""
+        """Download `url` in the background if it fits now (evicting only copies no local rank holds) and no
+        local rank is downloading it."""
         with self._lock:
-            if url not in self._present and url not in self._pending:
-                self._start_download(url, keep={url, self._current}, required=False)
+            if url in self._prefetching:
+                return
+            self._prefetching.add(url)
+        self._pool.submit(self._prefetch, url)
 
-    def _start_download(self, url: str, keep: set, required: bool):
-        """Under the lock: make room (waiting for other downloads if that is the only way) and submit."""
-        size = self.objects[url].size
-        while not self._make_room(size, keep):
-            if not required:
-                return None
-            if not self._pending:  # nothing else holds room: the object alone is too large
-                self.check_capacity([url])
-            self._lock.wait()  # for a download under way to finish and become evictable
-        self._pending[url] = self._pool.submit(self._download, url)
-        return self._pending[url]
-
-    def _make_room(self, size: int, keep: set) -> bool:
-        used = sum(self._present.values()) + sum(self.objects[url].size for url in self._pending)
-        for url in [u for u in self._present if u not in keep]:
-            if used + size <= self.capacity:
-                break
-            used -= self._present.pop(url)
-            self._etag_file(url).unlink(missing_ok=True)
-            self._local(url).unlink(missing_ok=True)
-        return used + size <= self.capacity
-
-    def _download(self, url: str) -> None:
+    def _prefetch(self, url: str) -> None:
         try:
-            self._etag_file(url).unlink(missing_ok=True)
-            remote = self.store.download(self.objects[url].name, self._local(url), expected=self.objects[url])
-            self._etag_file(url).write_text(remote.etag)
-            with self._lock:
-                self._present[url] = remote.size
-                self.downloaded_bytes += remote.size
+            with self._lock_file(url) as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return  # a local rank is downloading or reading it
+                if not self._is_present(url) and self._claim_room(url, wait=False):
+                    self._download(url)
+        except StorageError:
+            pass  # local_path will try again, and report
         finally:
             with self._lock:
-                self._pending.pop(url, None)
-                self._lock.notify_all()
+                self._prefetching.discard(url)
+
+    def _claim_room(self, url: str, wait: bool) -> bool:
+        """With the object's lock held exclusively: make room for it and claim it, as its partial file at
+        full size. Without `wait`, False when there is no room now; with it, wait for local ranks to release
+        copies (a rank releases its copy before it waits for another, so this ends)."""
+        size = self.objects[url].size
+        self.check_capacity([url])
+        while True:
+            with open(self.cache_dir / _SPACE_LOCK, "a+b") as space:
+                fcntl.flock(space, fcntl.LOCK_EX)
+                if self._make_room(size):
+                    with open(self._file(url, _PARTIAL), "wb") as f:
+                        f.truncate(size)
+                    return True
+            if not wait:
+                return False
+            time.sleep(ROOM_POLL_S)
+
+    def _make_room(self, size: int) -> bool:
+        """Under the space lock: delete partial files of killed ranks, then the least recently used copies
+        that no local process holds, until `size` more bytes fit."""
+        def on_disk(url):
+            return sum(path.stat().st_size for path in (self._file(url), self._file(url, _PARTIAL))
+                       if path.exists())
+
+        used = {url: on_disk(url) for url in self.objects}
+        stale = [url for url in self.objects if self._file(url, _PARTIAL).exists()]
+        copies = sorted((url for url in self.objects if self._file(url).exists()),
+                        key=lambda url: self._file(url).stat().st_mtime)
+        for url, partial_only in [(url, True) for url in stale] + [(url, False) for url in copies]:
+            if sum(used.values()) + size <= self.capacity:
+                break
+            if self._remove_unheld(url, partial_only):
+                used[url] = on_disk(url)
+        return sum(used.values()) + size <= self.capacity
+
+    def _remove_unheld(self, url: str, partial_only: bool) -> bool:
+        """Delete the object's files if no local process holds its lock (a reader, a download)."""
+        with self._lock_file(url) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            for path in [self._file(url, _PARTIAL)] + ([] if partial_only else
+                                                      [self._file(url, _ETAG_SUFFIX), self._file(url)]):
+                path.unlink(missing_ok=True)
+            return True
+
+    def _download(self, url: str) -> None:
+        """With the object's lock held exclusively and its room claimed."""
+        self._file(url, _ETAG_SUFFIX).unlink(missing_ok=True)
+        remote = self.store.download(self.objects[url].name, self._file(url), expected=self.objects[url])
+        self._file(url, _ETAG_SUFFIX).write_text(remote.etag)
+        with self._lock:
+            self.downloaded_bytes += remote.size
+        with self._lock_file(url, _HEAD + _LOCK) as lock:  # the copy serves headers from now on
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for kept in self.cache_dir.glob(glob.escape(f".{remote.name}.") + f"*{_HEAD}"):
+                kept.unlink()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._release_held()

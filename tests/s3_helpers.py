@@ -34,6 +34,7 @@ class MotoServer:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)  # moto logs every request it serves here (the tests count GETs)
         self._log = open(log_path, "wb")
         command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,

@@ -3,8 +3,10 @@
 ETags are checked against hashlib computed here and against the server's own; faults are answered
 for the server by botocore's before-send hook (s3_helpers.FaultInjector)."""
 
+import collections
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -258,7 +260,8 @@ def test_cache_smaller_than_two_shards_evicts_and_still_reads_everything(tmp_pat
     def watching(url):
         path = real_local_path(url)
         seen_on_disk.append(sum(p.stat().st_size for p in (tmp_path / "cache").iterdir()
-                                if not p.name.endswith(".etag")))  # partial downloads count
+                                if not p.name.endswith((".etag", ".head"))))  # partial downloads count; header
+        # blocks are outside the bound (here they are whole shards, as the shards are smaller than a block)
         return path
 
     cache.local_path = watching
@@ -313,3 +316,100 @@ def test_storage_imports_no_torch_and_no_boto3_at_import():
     code = "import sys, storage; print('torch' in sys.modules, 'boto3' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO_ROOT, capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+# ============================================================================ one cache per server
+
+CACHE_READER = """
+import hashlib, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+import s3_helpers, storage
+from data.dataset import WindowReader, scan_shards
+s3_helpers.install_faults_from_env()
+storage.DOWNLOAD_RANGE, storage.DOWNLOAD_THREADS = int(sys.argv[4]), 1
+cache = storage.ShardCache(storage.S3Store(sys.argv[2]), storage.server_cache_dir(sys.argv[3]), int(sys.argv[5]))
+shards, _, _ = scan_shards(sys.argv[2], cache)
+reader = WindowReader(shards, seed=3, window_size=7, vocab_size=30522, shard_files=cache)
+arrays = reader.read(0, reader.stream.epoch_size)
+cache.close()
+print(hashlib.sha256(b"".join(arrays[key].tobytes() for key in sorted(arrays))).hexdigest())
+"""
+
+
+def local_digest(local) -> str:
+    """What CACHE_READER prints, from the same shards on disk."""
+    shards, _, _ = scan_shards(local)
+    reader = WindowReader(shards, seed=3, window_size=7, vocab_size=30522)
+    arrays = reader.read(0, reader.stream.epoch_size)
+    return hashlib.sha256(b"".join(arrays[key].tobytes() for key in sorted(arrays))).hexdigest()
+
+
+def start_local_ranks(count, store, s3_cache_dir, download_range, faults="", capacity=1 << 30):
+    """`count` processes of one server reading one epoch at once, through the shard cache under
+    `s3_cache_dir` (as the driver's --s3_cache_dir), in ranged GETs of `download_range` bytes."""
+    env = {**os.environ, s3_helpers.FAULTS_ENV: faults}
+    return [subprocess.Popen([sys.executable, "-c", CACHE_READER, str(helpers.REPO_ROOT), store.url(), str(s3_cache_dir),
+                              str(download_range), str(capacity)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(count)]
+
+
+def shard_gets(server, bucket) -> collections.Counter:
+    """GET requests for the shards that the S3 server logged, by object name (counted at the server)."""
+    marker = f"GET /{bucket}/shards/"
+    return collections.Counter(line.split(marker)[1].split()[0] for line in server.log_path.read_text().splitlines()
+                               if marker in line)
+
+
+def finished(ranks):
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    return [rank.returncode for rank in ranks], outputs
+
+
+@pytest.mark.parametrize("local_ranks", [1, 2])
+def test_local_ranks_share_one_cache_so_each_shard_is_fetched_once_per_server(tmp_path, s3, remote_shards, local_ranks):
+    """Every local rank reads every shard (one epoch, the trainer's reader); the S3 server sees, for each
+    training shard, one GET for its header and one for its copy, whatever the number of local ranks."""
+    server, bucket, _ = s3
+    store, local = remote_shards
+    ranks = start_local_ranks(local_ranks, store, tmp_path / "s3_cache", 1 << 20)
+    codes, outputs = finished(ranks)
+    assert codes == [0] * local_ranks, [err[-2000:] for _, err in outputs]
+    assert {out.strip() for out, _ in outputs} == {local_digest(local)}
+    training = sorted(p.name for p in local.glob("*training*"))
+    assert shard_gets(server, bucket) == {name: 2 for name in training}
+
+
+def test_local_rank_killed_during_a_download_leaves_a_cache_the_next_run_uses(tmp_path, s3, remote_shards):
+    """A rank is SIGKILLed in the middle of its second shard's download (16 KiB ranged GETs): the next run,
+    two local ranks, reads the right samples, GETs nothing of the shard completed before the kill, and
+    fetches the others once for the server."""
+    server, bucket, _ = s3
+    store, local = remote_shards
+    cache_dir, piece = storage.server_cache_dir(tmp_path / "s3_cache"), 16 << 10
+    shards, _, _ = scan_shards(local)
+    order = [shards[i].name for i in WindowReader(shards, 3, 7, 30522).stream.shard_order(0)]
+    pieces = {name: -(-(local / name).stat().st_size // piece) for name in order}
+    kill_at = len(order) + pieces[order[0]] + 2  # the headers, the first shard, then 2 GETs into the second
+    [killed] = start_local_ranks(1, store, tmp_path / "s3_cache", piece, faults=f"kill:{kill_at}:1:GetObject:/shards/")
+    codes, _ = finished([killed])
+    assert codes == [-signal.SIGKILL]
+    assert (cache_dir / f".{order[1]}.partial").is_file()  # killed mid-download
+    before = shard_gets(server, bucket)
+    assert before == collections.Counter(order) + collections.Counter({order[0]: pieces[order[0]], order[1]: 1})
+    codes, outputs = finished(start_local_ranks(2, store, tmp_path / "s3_cache", piece))
+    assert codes == [0, 0], [err[-2000:] for _, err in outputs]
+    assert {out.strip() for out, _ in outputs} == {local_digest(local)}  # no half-written file was read
+    assert shard_gets(server, bucket) - before == {name: pieces[name] for name in order[1:]}
+    assert not list(cache_dir.glob("*.partial"))
+
+
+def test_local_ranks_with_a_cache_of_one_shard_evict_only_what_no_rank_reads(tmp_path, s3, remote_shards):
+    """Two local ranks and a cache that holds the largest shard but no two: they take turns, evicting
+    only a shard that neither reads, and both read the right samples."""
+    store, local = remote_shards
+    sizes = sorted(p.stat().st_size for p in local.glob("*training*"))
+    codes, outputs = finished(start_local_ranks(2, store, tmp_path / "s3_cache", 16 << 10,
+                                                capacity=sizes[-1] + sizes[0] // 2))
+    assert codes == [0] * 2, [err[-2000:] for _, err in outputs]
+    assert {out.strip() for out, _ in outputs} == {local_digest(local)}
