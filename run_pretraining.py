@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import checkpointing
+import gaudi
 import hardware
 import runtime
 import sizing
@@ -440,6 +441,7 @@ class Run:
     copies: object        # checkpointing.CheckpointUploader for an s3:// --output_dir, else None
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
+    graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (gaudi.py); else none
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
@@ -484,7 +486,8 @@ class StepResult:
 
 
 def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
-    """GAS micro-batches: forward, backward, engine.step(); the ranks agree on skip/stop before the update."""
+    """GAS micro-batches: forward, backward, engine.step() (on an HPU in lazy mode with the reference's
+    mark_steps, run.graph_breaks); the ranks agree on skip/stop before the update."""
     engine, losses = run.engine, []
     skipped_before = engine.skipped_steps
     for micro in range(run.gas):
@@ -495,14 +498,17 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
         input_ids, segment_ids, input_mask, labels, nsp_labels = (t.to(run.device) for t in batch.tensors)
         scores, nsp_scores = engine(input_ids, token_type_ids=segment_ids, attention_mask=input_mask,
                                     masked_lm_labels=labels)
-        loss = run.criterion(scores, nsp_scores, labels, nsp_labels)
+        with run.graph_breaks.around_loss():
+            loss = run.criterion(scores, nsp_scores, labels, nsp_labels)
         engine.backward(loss)
+        run.graph_breaks.after_backward()
         losses.append(loss.detach().float())
         if micro == run.gas - 1:
             nonfinite, stop, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(), run.device)
             learning_rate = run.optimizer.param_groups[0]["lr"]
         with optimizer_step_suppressed(run.optimizer) if micro == run.gas - 1 and nonfinite else nullcontext():
             engine.step()
+        run.graph_breaks.after_step()
         if profiler is not None:
             profiler.step()
     local_loss = float(torch.stack(losses).mean())
@@ -605,7 +611,9 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                              args.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
     logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
-    engine, optimizer = build_engine(args, build_model(args, model_config), ds_config)
+    model = build_model(args, model_config)
+    graph_breaks = gaudi.graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
+    engine, optimizer = build_engine(args, model, ds_config)
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
     data_layout = describe_data_layout(args, data, window_size)
     checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
@@ -622,7 +630,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
     run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
               data.seq_len, model_config, say, reader.stream.epoch_size, data_layout, checkpoint_dir, copies,
-              sizing.model_flops_per_sequence(model_config, data.seq_len, data.max_pred), peak)
+              sizing.model_flops_per_sequence(model_config, data.seq_len, data.max_pred), peak, graph_breaks)
     first_step = state.global_step
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)

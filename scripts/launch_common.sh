@@ -8,7 +8,8 @@
 #   HL_NUM_NODES         servers                          HL_NGPU_PER_NODE   devices per server (8)
 #   HL_HOSTSFILE         DeepSpeed hostfile for several servers (default scripts/hostsfile)
 #   HL_MAX_STEPS HL_RUN_STEPS HL_NUM_STEPS_PER_CP HL_LOG_FREQ  schedule and cadence
-#   HL_DEVICE            hpu (default, --use_hpu) | cuda | cpu (--no_cuda)
+#   HL_DEVICE            hpu (default, --use_hpu) | cuda | cpu (--no_cuda); for hpu, PT_HPU_LAZY_MODE picks
+#                        Habana's mode: 1 (default) lazy, 0 compile (see hpu_environment)
 #   HL_DATA_DIR          the shard directory itself (default: the phase's dataset under HL_DATA_DIR_ROOT)
 #   HL_PHASE1_END_STEP   phase-2 launchers: the step of phase 1's last checkpoint in HL_CHECKPOINTS_DIR
 #   HL_MAX_RESTARTS HL_RESTART_WINDOW_S HL_MIN_HOSTS  several servers: supervisor.py restarts a failed job on
@@ -44,10 +45,12 @@ phase_args() {
 }
 
 # HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
-# found the device here. CPU ranks take DeepSpeed's CPU accelerator and one thread each unless told otherwise.
+# found the device here, and the ranks' environment in RANK_ENV (hpu_environment). CPU ranks take DeepSpeed's
+# CPU accelerator and one thread each unless told otherwise.
 device_args() {
+    RANK_ENV=()
     case "${HL_DEVICE:-hpu}" in
-        hpu) DEVICE_ARGS=(--use_hpu) ;;
+        hpu) DEVICE_ARGS=(--use_hpu); hpu_environment ;;
         cuda) DEVICE_ARGS=() ;;
         cpu) DEVICE_ARGS=(--no_cuda); export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" ;;
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
@@ -79,6 +82,29 @@ if found == 0:
 if wanted > found:
     sys.exit(f"error: HL_NGPU_PER_NODE={wanted} but this machine has {found} {kind} devices: set HL_NGPU_PER_NODE={found} or fewer")
 PY
+}
+
+# Habana's execution mode and the reference's environment for it, each variable only where the user has not
+# set it (a user's value is passed on as it is). RANK_ENV is an `env` prefix of the ranks' command, so that
+# the settings reach every server: the deepspeed runner passes on only a few variables of its own.
+#   PT_HPU_LAZY_MODE=1 (default): lazy mode, as the reference up to 1.16 (we follow 1.9.0); the driver cuts
+#     the graph with mark_step (gaudi.py). With the 5B config (the reference's test: the config file's name)
+#     also 1.9.0's memory settings PT_HPU_POOL_MEM_ACQUIRE_PERC=100, ENABLE_EXPERIMENTAL_FLAGS=true and
+#     DISABLE_TENSOR_SIZE_VALIDATION=true.
+#   PT_HPU_LAZY_MODE=0: compile mode, as the reference from 1.17 on: --enable_torch_compile, nothing else.
+# The bridge reads these when it is first imported, so they must be set before python starts.
+hpu_environment() {
+    local lazy_mode="${PT_HPU_LAZY_MODE:-1}"
+    RANK_ENV=(env "PT_HPU_LAZY_MODE=$lazy_mode")
+    case "$lazy_mode" in
+        1) if [[ "${MODEL_CONFIG:-}" == *bert_5b_config.json* ]]; then
+               RANK_ENV+=("PT_HPU_POOL_MEM_ACQUIRE_PERC=${PT_HPU_POOL_MEM_ACQUIRE_PERC:-100}"
+                          "ENABLE_EXPERIMENTAL_FLAGS=${ENABLE_EXPERIMENTAL_FLAGS:-true}"
+                          "DISABLE_TENSOR_SIZE_VALIDATION=${DISABLE_TENSOR_SIZE_VALIDATION:-true}")
+           fi ;;
+        0) DEVICE_ARGS+=(--enable_torch_compile) ;;
+        *) die "PT_HPU_LAZY_MODE must be 1 (lazy mode) or 0 (compile mode), not '$lazy_mode'" ;;
+    esac
 }
 
 pretraining_args() {
@@ -147,7 +173,7 @@ run_preflight() {
         --num_nodes "$NUM_NODES" --ngpu_per_node "$NGPU_PER_NODE" --hostfile "$HOSTSFILE" || exit 1
 }
 
-# One node: deepspeed --num_nodes 1 --num_gpus 8 --no_local_rank --no_python /abs/python -u run_pretraining.py ...
+# One node: deepspeed --num_nodes 1 --num_gpus 8 --no_local_rank --no_python [env VAR=value...] /abs/python -u run_pretraining.py ...
 # Several: supervisor.py runs each attempt with --num_nodes, --hostfile, --master_addr and --master_port
 # after `deepspeed`, prints its command, passes SIGTERM/SIGINT on, and restarts on the hosts that remain.
 launch_pretraining() {
@@ -158,7 +184,7 @@ launch_pretraining() {
     mkdir -p "$RESULTS_DIR"
     cd "$REPO_ROOT"
     local command=(deepspeed --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
-                   "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
+                   "${RANK_ENV[@]}" "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
     if [[ "$NUM_NODES" != 1 ]]; then
         exec "$PYTHON" "$REPO_ROOT/supervisor.py" --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
             --ngpu_per_node "$NGPU_PER_NODE" --master_port "$MASTER_PORT" --deepspeed_config "$DS_CONFIG" \

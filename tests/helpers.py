@@ -21,6 +21,8 @@ from data.shard_format import write_shard  # noqa: E402  (needs the repo root on
 from runtime import free_port  # noqa: E402,F401  (used by the tests that start processes)
 
 VENV_BIN = Path(sys.executable).parent
+# A recording stand-in for Habana's bridge (habana_frameworks); see its docstring for what it models.
+FAKE_HABANA = REPO_ROOT / "tests" / "fake_habana"
 TINY_MODEL_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
 # Failures that say nothing about the program, worth one retry: the rare exit-time abort of a second rank
 # after a finished run (gloo tearing down under DeepSpeed 0.19.8 on CPU), and a free port taken by another

@@ -37,20 +37,9 @@ def stub_launcher(tmp_path):
     data_dir.mkdir()
     env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
                HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
-               PYTHONPATH=os.pathsep.join([str(gaudi_stand_in(tmp_path / "gaudi")), os.environ.get("PYTHONPATH", "")]))
+               # the launchers check that HL_DEVICE's devices exist: the stand-in bridge reports STUB_HPU_COUNT (8) Gaudis
+               PYTHONPATH=os.pathsep.join([str(helpers.FAKE_HABANA), os.environ.get("PYTHONPATH", "")]))
     return env, tmp_path
-
-
-def gaudi_stand_in(directory):
-    """A `habana_frameworks.torch.hpu` that reports STUB_HPU_COUNT (default 8) Gaudi devices: the launchers check
-    that HL_DEVICE's devices exist before starting any rank, and this machine has no Gaudi."""
-    package = directory / "habana_frameworks" / "torch" / "hpu"
-    package.mkdir(parents=True)
-    (directory / "habana_frameworks" / "__init__.py").write_text("")
-    (directory / "habana_frameworks" / "torch" / "__init__.py").write_text("")
-    (package / "__init__.py").write_text('import os\n\ndef device_count():\n    return int(os.environ.get("STUB_HPU_COUNT", "8"))'
-                                         '\n\ndef is_available():\n    return device_count() > 0\n')
-    return directory
 
 
 # The process tree of the `deepspeed` runner, by STUB_TREE (unset: exit at once). Each process notes
@@ -135,7 +124,7 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
     python_at = args.index(str(helpers.VENV_BIN / "python"))  # absolute: ssh's PATH on another server differs
-    launcher, program = args[:python_at], args[python_at:]
+    launcher, program = args[:args.index("env")], args[python_at:]  # env: the ranks' HPU settings (test_gaudi_lazy)
     assert launcher[:2] == ["--num_nodes", nodes] and launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
     if nodes != "1":  # several servers, under supervisor.py: the job's hosts, the first as master
         assert launcher[2] == "--hostfile" and launcher[4:8] == ["--master_addr", hosts[0], "--master_port", "29500"]

@@ -1,0 +1,9 @@
+import os
+
+
+def device_count() -> int:
+    return int(os.environ.get("STUB_HPU_COUNT", "8"))
+
+
+def is_available() -> bool:
+    return device_count() > 0

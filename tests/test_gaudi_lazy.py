@@ -1,0 +1,206 @@
+"""Gaudi lazy mode without a Gaudi: the mark_step calls of the training step (gaudi.py) and the environment
+the launchers set for HL_DEVICE=hpu.
+
+The recording stand-in for Habana's bridge is tests/fake_habana (its docstring says what it models); it is
+put on the path only by these tests. What it cannot show: that the cuts help on a real Gaudi (no device,
+no graphs), and anything past the process group's start with --use_hpu (no hccl backend here).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import gaudi
+import helpers
+import run_pretraining as rp
+
+FAKE_HABANA = helpers.FAKE_HABANA
+
+
+@pytest.fixture
+def fake_bridge(monkeypatch):
+    """The stand-in bridge importable in this process, its CALLS list emptied; gone again afterwards."""
+    monkeypatch.syspath_prepend(str(FAKE_HABANA))
+    for name in [name for name in sys.modules if name.startswith("habana_frameworks")]:
+        monkeypatch.delitem(sys.modules, name)
+    import habana_frameworks
+    habana_frameworks.CALLS.clear()
+    yield habana_frameworks.CALLS
+    for name in [name for name in sys.modules if name.startswith("habana_frameworks")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def expected_calls(steps: int, gas: int, bert_5b: bool) -> list:
+    """The reference's order (1.9.0 run_pretraining.py / modeling.py) per micro-batch: forward, [5B: cut
+    before and after the loss; the LM head's backward hook], backward, cut, engine.step() (the optimizer
+    steps at the last micro-batch), cut."""
+    calls = []
+    for _ in range(steps):
+        for micro in range(gas):
+            calls += ["forward"] + ["mark_step"] * 2 * bert_5b + ["mark_step"] * bert_5b + ["backward", "mark_step"]
+            calls += ["optimizer.step"] * (micro == gas - 1) + ["mark_step"]
+    return calls
+
+
+@pytest.mark.parametrize("gas,bert_5b", [(1, False), (3, False), (2, True)])
+def test_lazy_mode_cuts_the_graph_where_the_reference_does(tmp_path, tiny_shards, fake_bridge, monkeypatch, gas,
+                                                            bert_5b):
+    """The real driver on the CPU with the lazy-mode graph breaks of an HPU (the factory's device choice is
+    tested below): the order and count of mark_step among forward, backward and optimizer steps."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    calls = fake_bridge
+
+    def lazy_breaks_with_observers(device, model, is_5b):
+        model.register_forward_pre_hook(lambda module, inputs: calls.append("forward"))
+        # the encoder's input gradient is the last thing backward computes before the embeddings
+        model.bert.encoder.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append("backward"))
+        return gaudi.LazyModeGraphBreaks(model, is_5b)
+
+    monkeypatch.setattr(rp.gaudi, "graph_breaks", lazy_breaks_with_observers)
+    config = helpers.TINY_MODEL_CONFIG
+    if bert_5b:  # the reference decides "5B" by the config file's name
+        config = tmp_path / "bert_5b_config.json"
+        config.write_text(helpers.TINY_MODEL_CONFIG.read_text())
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", micro=4, gas=gas)
+    # under DeepSpeed the global hooks fire twice per LANS step (its step counter moves once): note it once
+    steps_seen = set()
+
+    def note_step(optimizer, *_):
+        if optimizer.param_groups[0]["step"] not in steps_seen:
+            steps_seen.add(optimizer.param_groups[0]["step"])
+            calls.append("optimizer.step")
+
+    hook = register_optimizer_step_post_hook(note_step)
+    try:
+        rp.main(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, config_file=config, max_steps=2,
+                                    skip_checkpoint=True))
+    finally:
+        hook.remove()
+    assert calls == expected_calls(steps=2, gas=gas, bert_5b=bert_5b), calls
+
+
+def test_graph_breaks_only_on_an_hpu_in_lazy_mode(fake_bridge, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    assert type(gaudi.graph_breaks(torch.device("hpu"), model, False)) is gaudi.LazyModeGraphBreaks
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")  # compile (or eager) mode: the bridge makes its own graphs
+    assert type(gaudi.graph_breaks(torch.device("hpu"), model, False)) is gaudi.NoGraphBreaks
+    assert fake_bridge == []  # asked for the mode, never cut
+    for name in [name for name in sys.modules if name.startswith("habana_frameworks")]:
+        monkeypatch.delitem(sys.modules, name)
+    for device in ("cpu", "cuda"):
+        breaks = gaudi.graph_breaks(torch.device(device), model, True)
+        with breaks.around_loss():
+            breaks.after_backward()
+            breaks.after_step()
+    assert fake_bridge == [] and not [name for name in sys.modules if name.startswith("habana_frameworks")]
+
+
+def test_the_reference_5b_test_is_the_config_file_name():
+    assert gaudi.is_bert_5b("scripts/bert_5b_config.json")
+    assert not gaudi.is_bert_5b("scripts/bert_1.5b_config.json")
+
+
+def test_nothing_of_habana_runs_on_the_cpu(tmp_path, tiny_shards, monkeypatch):
+    """A whole CPU run (5B config name, PT_HPU_LAZY_MODE=1) with the stand-in importable: never imported."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    monkeypatch.syspath_prepend(str(FAKE_HABANA))
+    for name in [name for name in sys.modules if name.startswith("habana_frameworks")]:
+        monkeypatch.delitem(sys.modules, name)
+    config = tmp_path / "bert_5b_config.json"
+    config.write_text(helpers.TINY_MODEL_CONFIG.read_text())
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", micro=4, gas=2)
+    summary = rp.main(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, config_file=config, max_steps=1,
+                                          skip_checkpoint=True))
+    assert summary["global_step"] == 1
+    assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+@pytest.fixture
+def recording_deepspeed(tmp_path):
+    """A `deepspeed` first on PATH that writes its arguments, one per line, to tmp_path/args."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "deepspeed").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path / "args"}\n')
+    (bin_dir / "deepspeed").chmod(0o755)
+    (tmp_path / "data").mkdir()
+    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]),
+               HL_DATA_DIR=str(tmp_path / "data"), HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
+               HL_NUM_NODES="1", PYTHONPATH=str(FAKE_HABANA))  # the launchers' device check finds 8 Gaudis
+    for name in HPU_SETTINGS:
+        env.pop(name, None)
+    return env, tmp_path
+
+
+HPU_SETTINGS = ("PT_HPU_LAZY_MODE", "PT_HPU_POOL_MEM_ACQUIRE_PERC", "ENABLE_EXPERIMENTAL_FLAGS",
+                "DISABLE_TENSOR_SIZE_VALIDATION")
+MEMORY_SETTINGS_5B = ["PT_HPU_POOL_MEM_ACQUIRE_PERC=100", "ENABLE_EXPERIMENTAL_FLAGS=true",
+                      "DISABLE_TENSOR_SIZE_VALIDATION=true"]
+
+
+def rank_command(script, env, tmp_path) -> tuple:
+    """(the `env` settings before the ranks' python, run_pretraining.py's arguments) of a launcher."""
+    result = subprocess.run(["bash", str(helpers.REPO_ROOT / "scripts" / script)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    python_at = args.index(str(helpers.VENV_BIN / "python"))
+    settings = args[args.index("env") + 1:python_at] if "env" in args else None
+    return settings, args[python_at + 3:]
+
+
+@pytest.mark.parametrize("script,bert_5b", [("run_bert_1.5b_8x.sh", False), ("run_bert_1.5b_32x.sh", False),
+                                            ("run_bert_1.5b_8x_phase2.sh", False), ("run_bert_5b_128x.sh", True)])
+def test_launchers_set_the_reference_environment_of_lazy_mode_by_default(recording_deepspeed, script, bert_5b):
+    env, tmp_path = recording_deepspeed
+    if "phase2" in script:
+        (tmp_path / "results" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "results" / "checkpoints" / "latest").write_text("155000")
+    settings, program = rank_command(script, env, tmp_path)
+    assert settings == ["PT_HPU_LAZY_MODE=1"] + MEMORY_SETTINGS_5B * bert_5b
+    assert "--use_hpu" in program and "--enable_torch_compile" not in program
+
+
+def test_compile_mode_sets_lazy_mode_off_and_passes_the_compile_flag(recording_deepspeed):
+    env, tmp_path = recording_deepspeed
+    settings, program = rank_command("run_bert_5b_128x.sh", dict(env, PT_HPU_LAZY_MODE="0"), tmp_path)
+    assert settings == ["PT_HPU_LAZY_MODE=0"]  # the 5B memory settings belong to lazy mode (1.9.0)
+    assert "--use_hpu" in program and "--enable_torch_compile" in program
+
+
+def test_a_users_own_settings_win(recording_deepspeed):
+    env, tmp_path = recording_deepspeed
+    env.update(PT_HPU_POOL_MEM_ACQUIRE_PERC="90", DISABLE_TENSOR_SIZE_VALIDATION="false")
+    settings, _ = rank_command("run_bert_5b_128x.sh", env, tmp_path)
+    assert settings == ["PT_HPU_LAZY_MODE=1", "PT_HPU_POOL_MEM_ACQUIRE_PERC=90", "ENABLE_EXPERIMENTAL_FLAGS=true",
+                        "DISABLE_TENSOR_SIZE_VALIDATION=false"]
+    # the 5B test is the config file's name, as in the reference: another 5B-named config gets the settings too
+    config = tmp_path / "my_bert_5b_config.json"
+    config.write_text("{}")
+    settings, _ = rank_command("run_bert_1.5b_8x.sh", dict(env, HL_MODEL_CONFIG=str(config)), tmp_path)
+    assert settings[3] == "DISABLE_TENSOR_SIZE_VALIDATION=false" and len(settings) == 4
+
+
+def test_no_habana_setting_off_the_hpu(recording_deepspeed):
+    """HL_DEVICE=cpu (cuda takes the same branch; the launchers' device check refuses it on this machine)."""
+    env, tmp_path = recording_deepspeed
+    settings, program = rank_command("run_bert_1.5b_8x.sh", dict(env, HL_DEVICE="cpu", PT_HPU_LAZY_MODE="0"),
+                                     tmp_path)
+    assert settings is None and "--no_cuda" in program
+    assert "--use_hpu" not in program and "--enable_torch_compile" not in program
+
+
+def test_an_unknown_lazy_mode_value_is_one_clear_error(recording_deepspeed):
+    env, tmp_path = recording_deepspeed
+    result = subprocess.run(["bash", str(helpers.REPO_ROOT / "scripts" / "run_bert_1.5b_8x.sh")],
+                            env=dict(env, PT_HPU_LAZY_MODE="yes"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and not (tmp_path / "args").exists()
+    assert result.stderr == "error: PT_HPU_LAZY_MODE must be 1 (lazy mode) or 0 (compile mode), not 'yes'\n"
