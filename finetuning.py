@@ -89,6 +89,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
     add("--use_hpu", action="store_true", help="Run on Habana Gaudi (habana_frameworks), backend hccl.")
     add("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
+    runtime.add_compile_arguments(parser)
     return parser
 
 
@@ -109,6 +110,7 @@ def validate(args) -> dict:
     """The common checks, before any work; returns the DeepSpeed settings (training) or None."""
     if not (args.do_train or args.do_eval or args.do_predict):
         raise InputError("nothing to do: pass --do_train, --do_eval and/or --do_predict")
+    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode)
     if args.init_checkpoint is None and args.config_file is None:
         raise InputError("pass --init_checkpoint (pretrained weights) and/or --config_file")
     if args.init_checkpoint is None and not args.do_train:
@@ -271,6 +273,8 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=args.learning_rate, eps=1e-6)
     scheduler = LinearWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=total_steps)
     engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
+    if args.enable_torch_compile:
+        runtime.compile_model(engine, args.torch_compile_backend, args.torch_compile_mode)
     step = resume(session, engine, model.config) if args.resume_from_checkpoint else 0
     session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                 + (f", resumed at step {step}" if step else ""))
@@ -278,7 +282,10 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     first_step, losses, stopped = step, [], False
     with runtime.stop_requests() as stop_event:
         while step < total_steps and not stopped:
+            step_started = time.perf_counter()
             loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
+            if args.enable_torch_compile and step == first_step:
+                runtime.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
             step += 1
             losses.append(loss)
             progress.update(1)

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--profile_steps", default="2,3", help="start,end: micro-steps (inclusive) to profile.")
     add("--use_hpu", action="store_true", help="Run on Habana Gaudi (needs habana_frameworks), backend hccl.")
     add("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
+    runtime.add_compile_arguments(parser)
     # Additions of this repository.
     add("--keep_last_n_checkpoints", type=int, default=0, help="Keep only the newest N checkpoints (0 = keep all).")
     add("--max_bad_steps", type=int, default=10, help="Stop after this many consecutive steps with a non-finite loss.")
@@ -146,6 +147,7 @@ def validate_args(args, world_size: int) -> tuple:
     if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     runtime.check_profiler(args.profile, args.profile_steps, args.use_hpu)
+    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode)
     for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -266,6 +268,8 @@ def build_engine(args, model, ds_config: dict):
     engine, optimizer = runtime.initialize_engine(model, ds_config, optimizer, scheduler, parameter_groups=groups)
     if args.optimizer == "lans" and args.lans_blocks == "tensor":
         zero_partitions.use_tensor_blocks(engine.optimizer, optimizer)
+    if args.enable_torch_compile:
+        runtime.compile_model(engine, args.torch_compile_backend, args.torch_compile_mode)
     return engine, optimizer
 
 
@@ -537,7 +541,10 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     window, last_window, steps_done, last_saved = LogWindow(), LogWindow(), 0, None
     while state.global_step < max_steps and steps_done < steps_this_run:
         # ---------------------------------------------------------------- step
+        step_started = time.perf_counter()
         result = train_step(run, batches, stop_event, profiler)
+        if args.enable_torch_compile and steps_done == 0:
+            runtime.log_first_step(run.logger, say, time.perf_counter() - step_started)
         state.global_step += 1
         steps_done += 1
         state.samples_consumed = result.next_position

@@ -4,6 +4,7 @@
   backend and DeepSpeed's CPU traps; `seed_everything` (callers pass seed + global rank);
 - `load_deepspeed_config`: the JSON and its batch arithmetic; `initialize_engine`: deepspeed.initialize
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
+- `add_compile_arguments`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
 - `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
 - `check_writable_directory`, `check_writable_file`: an unwritable output is an error before any work;
 - `InputError` (errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
@@ -262,6 +263,57 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, pa
                                                model_parameters=None if optimizer else parameter_groups,
                                                config=ds_config)
     return engine, optimizer or engine.optimizer
+
+
+def add_compile_arguments(group) -> None:
+    """The compile-mode flags, on a parser or argument group (the same in every entry point)."""
+    group.add_argument("--enable_torch_compile", action="store_true", help="torch.compile the model (the "
+                       "reference's compile mode; on Gaudi with PT_HPU_LAZY_MODE=0). Checkpoints are the same "
+                       "as in eager mode, so either mode resumes the other's.")
+    group.add_argument("--torch_compile_backend", default=None, help="torch.compile backend with "
+                       "--enable_torch_compile (default: the DeepSpeed accelerator's: hpu_backend on Gaudi, "
+                       "inductor elsewhere).")
+    group.add_argument("--torch_compile_mode", default=None, help="torch.compile mode with --enable_torch_compile, "
+                       "e.g. max-autotune-no-cudagraphs (default: the backend's default).")
+
+
+def check_compile_flags(enabled: bool, backend: str | None, mode: str | None) -> None:
+    """Before any work: the backend and mode flags need compile mode, and the mode must be one of inductor's.
+    The backend name is checked in compile_model: Gaudi's registers only once its bridge is imported."""
+    if not enabled and (backend or mode):
+        raise InputError("--torch_compile_backend and --torch_compile_mode need --enable_torch_compile")
+    if mode is not None:
+        import torch._inductor
+        modes = sorted(torch._inductor.list_mode_options())
+        if mode not in modes:
+            raise InputError(f"--torch_compile_mode must be one of {', '.join(modes)}, got {mode!r}")
+
+
+def compile_model(engine, backend: str | None, mode: str | None) -> str:
+    """torch.compile the engine's model in place (DeepSpeedEngine.compile calls nn.Module.compile): the
+    module keeps its class and parameter names, so state_dict keys and checkpoints are those of eager mode
+    (no `_orig_mod.` prefix). Compilation itself happens in the first forward and backward. Returns the
+    backend used."""
+    import torch._dynamo
+    from deepspeed.accelerator import get_accelerator
+    backend = backend or get_accelerator().get_compile_backend()
+    try:
+        torch._dynamo.lookup_backend(backend)
+    except Exception as err:  # torch raises InvalidBackend, naming the registered ones
+        raise InputError(f"--torch_compile_backend: {one_line(err)}") from err
+    if backend == "inductor":
+        # Dropout from torch's own generator, not inductor's: the same masks as eager mode, so losses match
+        # and a checkpoint's RNG state resumes the same stream in either mode.
+        import torch._inductor.config
+        torch._inductor.config.fallback_random = True
+    engine.compile(backend=backend, compile_kwargs={"mode": mode} if mode else {})
+    return backend
+
+
+def log_first_step(logger, say, seconds: float) -> None:
+    """In compile mode the first step includes the compilation: its time goes to the log."""
+    say(f"first step, compilation included: {seconds:.1f} s")
+    logger.log(step="PARAMETER", data={"first_step_time_s": seconds})
 
 
 INIT_WEIGHT_SOURCES = ("it should be a checkpoint tag directory (holding mp_rank_00_model_states.pt) or a "

@@ -1,0 +1,75 @@
+"""--enable_torch_compile (the reference's compile mode) with the real DeepSpeed engine and inductor on the CPU.
+
+Compiled training must follow eager training step by step (inductor reorders float sums, so within a
+float tolerance, not bitwise), and the checkpoints must be the same files: a run saved in one mode
+resumes in the other. Inductor needs the C++ compiler that the venv's torch finds (g++ here).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers  # noqa: E402  (puts the repo root on sys.path)
+import run_pretraining  # noqa: E402
+from errors import InputError  # noqa: E402
+
+STEPS, HALF = 20, 10
+# Relative loss difference allowed per step: fp32 sums in another order; bf16 rounds its (differently
+# fused) intermediate results to 8 bits of mantissa.
+TOLERANCE = {False: 1e-4, True: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("compile_shards")
+    helpers.write_synthetic_shards(directory, (48, 40))
+    return directory
+
+
+def train(shards, tmp_path, output, log, bf16, compiled, **flags):
+    config = helpers.write_ds_config(tmp_path / f"ds_{bf16}.json", stage=1, bf16=bf16, micro=4)
+    argv = helpers.driver_argv(shards, tmp_path / output, config, tmp_path / log, max_steps=STEPS,
+                               enable_torch_compile=compiled, num_steps_per_checkpoint=HALF, **flags)
+    return run_pretraining.main([str(arg) for arg in argv])
+
+
+def losses(*logs) -> dict:
+    return {r["step"][-1]: r["data"]["step_loss"] for log in logs for r in helpers.step_records(log)}
+
+
+@pytest.mark.slow  # five tiny runs, two compiled: minutes on a busy 2-core machine
+@pytest.mark.parametrize("bf16", [pytest.param(False, id="fp32"), pytest.param(True, id="bf16")])
+def test_compiled_training_follows_eager_and_checkpoints_resume_in_either_mode(tmp_path, shards, bf16):
+    """Eager for 20 steps; compiled for 10 then resumed eager from its checkpoint; eager for 10 then resumed
+    compiled. Every step's loss matches the eager run, and the compiled run's checkpoint has eager's keys."""
+    train(shards, tmp_path, "eager", "eager.json", bf16, compiled=False)
+    train(shards, tmp_path, "a", "a1.json", bf16, compiled=True, steps_this_run=HALF)
+    model_states = torch.load(tmp_path / "a" / str(HALF) / "mp_rank_00_model_states.pt", weights_only=False)
+    assert not [key for key in model_states["module"] if "_orig_mod" in key]
+    train(shards, tmp_path, "a", "a2.json", bf16, compiled=False, resume_from_checkpoint=True)
+    train(shards, tmp_path, "b", "b1.json", bf16, compiled=False, steps_this_run=HALF)
+    train(shards, tmp_path, "b", "b2.json", bf16, compiled=True, resume_from_checkpoint=True)
+    expected = losses(tmp_path / "eager.json")
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    for logs in (("a1.json", "a2.json"), ("b1.json", "b2.json")):
+        got = losses(*(tmp_path / log for log in logs))
+        assert sorted(got) == sorted(expected)
+        assert got == pytest.approx(expected, rel=TOLERANCE[bf16])
+    first_step = [r for r in helpers.read_dllogger(tmp_path / "a1.json") if "first_step_time_s" in r.get("data", {})]
+    assert len(first_step) == 1 and first_step[0]["data"]["first_step_time_s"] > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"torch_compile_mode": "max-autotune"}, "need --enable_torch_compile"),
+    ({"enable_torch_compile": True, "torch_compile_mode": "fastest"}, "--torch_compile_mode must be one of"),
+    ({"enable_torch_compile": True, "torch_compile_backend": "no_such_backend"}, "--torch_compile_backend"),
+])
+def test_bad_compile_flags_are_refused_before_training(tmp_path, shards, flags, message):
+    config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False, micro=4)
+    argv = helpers.driver_argv(shards, tmp_path / "out", config, tmp_path / "log.json", **flags)
+    with pytest.raises(InputError, match=message):
+        run_pretraining.main([str(arg) for arg in argv])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
