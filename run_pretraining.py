@@ -468,6 +468,9 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
                   "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"],
                   "model_tflops": model_tflops, "mfu": record["mfu"]}
     run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step), data=record)
+    # On disk at once: a rank whose collective fails leaves with os._exit (runtime.run_cli), which drops
+    # what the stream still buffers, and a restarted job's log would lack the steps of the failed attempt.
+    run.logger.flush()
     return record
 
 

@@ -242,6 +242,24 @@ class TestHosts:
         """`command` (a list) run inside host `host` (0-based), as a process on that host would be."""
         return ["ip", "netns", "exec", self.namespaces[host], *map(str, command)]
 
+    def lose(self, host):
+        """Host `host` (0-based) is lost, as a server that powers off: every process inside it, its sshd and
+        the job's ranks included, is killed at once."""
+        for pid in self.pids(self.namespaces[host]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def restart_sshd(self, host):
+        """Host `host` back up: its sshd started again, and answering."""
+        self._start_sshd(self.namespaces[host], self.addresses[host])
+        self._wait_for_ssh(self.addresses[host])
+
+    def set_link(self, host, up):
+        """Host `host`'s network interface up or down, inside its namespace."""
+        run(["ip", "-n", self.namespaces[host], "link", "set", INTERFACE, "up" if up else "down"])
+
     def rank_pids(self, host, script="run_pretraining.py"):
         """Pids of processes inside host `host` whose command line runs `script` directly (the ranks, not
         DeepSpeed's per-node launcher, whose command line also names the script)."""

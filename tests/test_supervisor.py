@@ -1,19 +1,25 @@
 """supervisor.py: which hosts a restart uses, when it stops, what it reports, and its attempt loop.
 
 The loop runs here against a stand-in `deepspeed` runner (a small script that plays a failure per attempt
-and records the hostfile it was given), with the host checks given as data.
+and records the hostfile it was given), with the host checks given as data. The slow tests at the end run
+the real thing across three namespace hosts (tests/multihost.py: sshd, pdsh, the `deepspeed` launcher).
 """
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
 
 import helpers
 import supervisor
+from test_multihost import SCRIPT_32X, launcher_env, make_job, wait_for
+from test_resume import last_shard_of_first_epoch
 
 
 def ds_config(tmp_path, micro=4, total=24):
@@ -198,3 +204,127 @@ def test_bad_arguments_are_one_line(tmp_path):
     assert result.returncode == 1 and result.stderr.strip() == (
         f"error: supervisor: hostfile {tmp_path / 'none'}: No such file or directory")
 
+
+# ============================================================================ on namespace hosts (slow)
+# Three test hosts with real sshd, pdsh and the `deepspeed` launcher (tests/multihost.py, root only), one rank
+# each, through run_bert_1.5b_32x.sh as a user runs it on the first server.
+
+TIMEOUT_S = 10  # --collective_timeout_s of these jobs
+
+
+@pytest.fixture(scope="module")
+def job3(tmp_path_factory, test_hosts):
+    """test_multihost's job on 3 hosts, global batch 24 (micro-batch 4: accumulation 2 on 3 ranks, 3 on 2)."""
+    return make_job(tmp_path_factory.mktemp("supervised_job"), test_hosts, hosts=3, gas=2)
+
+
+def start_supervised(hosts, job, results, *extra, nodes=3, **overrides):
+    env = launcher_env(hosts, job, results, nodes=nodes, **{"HL_MAX_STEPS": "60", "HL_NUM_STEPS_PER_CP": "5",
+                                                            "HL_MAX_RESTARTS": "2", "HL_MIN_HOSTS": "2", **overrides})
+    log = results.parent / f"{results.name}.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(hosts.command_on(0, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5",
+                                                        f"--collective_timeout_s={TIMEOUT_S}", *extra]),
+                                   env=env, stdout=out, stderr=subprocess.STDOUT)
+    return process, log
+
+
+def runs_of(dllogger_json) -> list:
+    """{step: all-ranks loss} of each run in the stream (a run's records start with its PARAMETER records)."""
+    runs = [{}]
+    for record in helpers.read_dllogger(dllogger_json):
+        if record.get("step") == "PARAMETER" and runs[-1]:
+            runs.append({})
+        elif record.get("type") == "LOG" and "step_loss" in record["data"]:
+            runs[-1][record["step"][1]] = record["data"]["all_ranks_average_loss"]
+    return runs
+
+
+def latest(results) -> int:
+    path = results / "checkpoints" / "latest"
+    return int(path.read_text()) if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_lost_hosts_are_left_out_and_taken_back_and_the_losses_match_a_resume_by_hand(test_hosts, job3):
+    """(a) host 2 lost (every process in it killed, its ranks included) after a checkpoint: the job goes on
+    with hosts 1 and 3; (c) host 2 comes back; (b) host 3's link is set down inside its namespace: detected
+    within --collective_timeout_s, and the job finishes --max_steps on hosts 1 and 2. The losses after the
+    first restart equal those of the same launcher resumed by hand from that checkpoint on hosts 1 and 3."""
+    results = job3["root"] / "lost"
+    process, log = start_supervised(test_hosts, job3, results)
+    try:
+        wait_for(lambda: latest(results) > 0, process)
+        test_hosts.lose(1)                                              # (a)
+        wait_for(lambda: "supervisor: restart 1 " in log.read_text(), process)
+        first = latest(results)
+        test_hosts.restart_sshd(1)                                      # (c)
+        wait_for(lambda: latest(results) > first, process)
+        errors_before = log.read_text().count("error: rank")
+        test_hosts.set_link(2, up=False)                                # (b)
+        down = time.monotonic()
+        wait_for(lambda: log.read_text().count("error: rank") > errors_before, process, timeout=TIMEOUT_S + 30)
+        detected = time.monotonic() - down
+        status = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        test_hosts.set_link(2, up=True)  # the hosts are the session's: leave them as they were
+        if not test_hosts.pids(test_hosts.namespaces[1]):
+            test_hosts.restart_sshd(1)
+    output = log.read_text()
+    print(f"the lost link was detected {detected:.1f} s after it went down")  # pytest -s
+    assert status == 0, output[-4000:]
+    assert detected < TIMEOUT_S + 5
+    restarts = [line for line in output.splitlines() if line.startswith("supervisor: restart")]
+    assert len(restarts) == 2, output[-4000:]
+    assert (f"resuming from checkpoint {first} on 2 host(s) 10.200.0.1,10.200.0.3; left out: 10.200.0.2 "
+            "(host 10.200.0.2: ssh failed" in restarts[0] and restarts[0].endswith("back: none"))
+    assert ("on 2 host(s) 10.200.0.1,10.200.0.2; left out: 10.200.0.3 (host 10.200.0.3:" in restarts[1]
+            and restarts[1].endswith("back: 10.200.0.2"))
+    assert "a collective got no answer within --collective_timeout_s 10 s" in restarts[1]
+    events = [r for r in helpers.read_dllogger(results / "dllogger.json") if r.get("step") == "SUPERVISOR"]
+    assert [(e["data"]["resume_from_checkpoint"], e["data"]["hosts"], e["data"]["hosts_back"]) for e in events] == [
+        (str(first), ["10.200.0.1", "10.200.0.3"], []), (events[1]["data"]["resume_from_checkpoint"],
+                                                          ["10.200.0.1", "10.200.0.2"], ["10.200.0.2"])]
+    runs = runs_of(results / "dllogger.json")
+    assert len(runs) == 3 and max(runs[2]) == 60 and latest(results) == 60
+    assert min(runs[1]) == first + 1 and min(runs[2]) == int(events[1]["data"]["resume_from_checkpoint"]) + 1
+
+    # By hand: the checkpoint of the first restart, resumed by the same launcher on hosts 1 and 3.
+    by_hand = job3["root"] / "by_hand"
+    shutil.copytree(results / "checkpoints" / str(first), by_hand / "checkpoints" / str(first))
+    (by_hand / "checkpoints" / "latest").write_text(str(first))
+    two_hosts = job3["root"] / "hosts_1_3"
+    two_hosts.write_text("10.200.0.1 slots=1\n10.200.0.3 slots=1\n")
+    manual, manual_log = start_supervised(test_hosts, dict(job3, hostfile=two_hosts), by_hand, nodes=2)
+    assert manual.wait(timeout=300) == 0, manual_log.read_text()[-4000:]
+    [reference] = runs_of(by_hand / "dllogger.json")
+    assert sorted(reference) == list(range(first + 1, 61))
+    for run in runs[1:]:
+        assert run == {step: reference[step] for step in run}  # exact: fp32, per-tensor LANS, world size 2
+    assert not any(test_hosts.rank_pids(host) for host in range(3))
+
+
+@pytest.mark.slow
+def test_a_repeating_crash_stops_after_n_attempts_with_its_reason(test_hosts, job3):
+    """(d) A shard that cannot be read, met at the end of the first epoch, after a checkpoint: the job fails
+    at the same step from the same checkpoint every time, and the supervisor stops after HL_MAX_RESTARTS=2
+    attempts with the reason. (e), SIGTERM to the supervisor: test_multihost.py's SIGTERM test runs with
+    restarts on."""
+    data = job3["root"] / "bad_data"
+    helpers.write_synthetic_shards(data, [24, 40, 17])
+    bad = last_shard_of_first_epoch(data, seed=12439)  # the launchers' seed
+    helpers.corrupt_first_chunk(bad)
+    crash = job3["root"] / "crash"
+    # A window of a few samples: the bad shard is met after some steps, not at start-up.
+    process, log = start_supervised(test_hosts, dict(job3, data=data), crash, "--data_memory_budget_mb=0.01",
+                                    HL_NUM_STEPS_PER_CP="2")
+    status = process.wait(timeout=400)
+    output = log.read_text()
+    assert status != 0, output[-4000:]
+    assert output.count("deepspeed --num_nodes") == 2 and output.count("supervisor: restart 1 ") == 1
+    last = output.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: supervisor: not restarting: the job failed 2 times in a row the same way, from "
+                        rf"checkpoint [1-9]\d*; the job's last error: {re.escape(str(bad))}: cannot read samples .*", last)
+    assert not any(test_hosts.rank_pids(host) for host in range(3))
