@@ -5,6 +5,10 @@ PyTorch loop with the same model, LANS and PolyWarmUp on in-memory batches, one 
     python bench/bench_driver.py --bf16 --stage 1      # driver bf16 ZeRO-1 vs plain loop on a bf16 model
     python bench/bench_driver.py --bf16 --stage 1 --config bench/bert_1.5b_widths_2_layers.json --micro 8 \
         --steps 5 --threads 2 --driver_only [--gas 8] [--layers 12]   # BERT-1.5B widths: the driver's MFU
+    python bench/bench_driver.py ... --driver_only --compile   # the driver eager and with --enable_torch_compile
+
+With --compile the driver also runs with --enable_torch_compile, interleaved with the eager runs; its first
+step includes the compilation, so compare the steps after the first.
 
 The driver's forward, backward and optimizer step (DeepSpeedEngine's methods) are timed separately over the
 optimizer steps after the first; `rest` is the driver's time outside them (data, loss, logging).
@@ -50,7 +54,7 @@ def synthetic_arrays(num_samples, seq_len, max_pred, vocab_size, seed=0):
             "next_sentence_labels": rng.integers(0, 2, num_samples).astype(np.int8)}
 
 
-def time_driver(args, work: Path) -> tuple:
+def time_driver(args, work: Path, compiled: bool = False) -> tuple:
     """(steps/s from run_pretraining's raw_train_time, CPU seconds per step of the training loop, summary,
     breakdown of the optimizer steps after the first: seconds per step in forward, backward, step, the rest)."""
     ds_config = work / "ds.json"
@@ -62,6 +66,7 @@ def time_driver(args, work: Path) -> tuple:
               "--use_lr_scheduler", "--learning_rate", "0.001", "--max_predictions_per_seq", str(args.max_pred),
               "--skip_checkpoint", "--disable_progress_bar", "--no_cuda", "--deepspeed",
               "--deepspeed_config", str(ds_config), "--max_steps", str(args.steps)]
+    common += ["--enable_torch_compile"] if compiled else []
     cpu, train = {}, run_pretraining.train
 
     def timed_train(*train_args):
@@ -163,11 +168,12 @@ def main():
     parser.add_argument("--layers", type=int, default=None, help="override the config's num_hidden_layers")
     parser.add_argument("--gas", type=int, default=1, help="gradient accumulation: micro-batches per optimizer step")
     parser.add_argument("--driver_only", action="store_true", help="time the driver only (no plain loop)")
+    parser.add_argument("--compile", action="store_true", help="also time the driver with --enable_torch_compile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     arrays = synthetic_arrays(args.micro * args.gas * args.steps, args.seq_len, args.max_pred, 30522)
-    driver_runs, plain_runs = [], []
+    driver_runs, compiled_runs, plain_runs = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_config = json.loads(Path(args.config).read_text())
         model_config["num_hidden_layers"] = args.layers or model_config["num_hidden_layers"]
@@ -180,18 +186,23 @@ def main():
             work.mkdir()
             (work / "shards").symlink_to(Path(tmp) / "shards")
             driver_runs.append(time_driver(args, work))
+            if args.compile:
+                (work / "compiled").mkdir()
+                (work / "compiled" / "shards").symlink_to(Path(tmp) / "shards")
+                compiled_runs.append(time_driver(args, work / "compiled", compiled=True))
             if not args.driver_only:
                 plain_runs.append(time_plain_loop(args, arrays))
-    report(args, load_before, driver_runs, plain_runs)
+    report(args, load_before, driver_runs, compiled_runs, plain_runs)
 
 
-def report(args, load_before, driver_runs, plain_runs):
+def report(args, load_before, driver_runs, compiled_runs, plain_runs):
     precision = "bf16" if args.bf16 else "fp32"
     print(f"threads={torch.get_num_threads()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
           f"micro={args.micro} gas={args.gas} seq_len={args.seq_len} steps={args.steps} {precision} "
           f"ZeRO-{args.stage} layers={args.layers or 'as in --config'}")
     print(f"{'loop':<36}{'steps/s (best)':>16}{'CPU s/step (best)':>20}   all runs (steps/s, CPU s/step)")
     loops = [("run_pretraining.py (DeepSpeed)", driver_runs)]
+    loops += [("run_pretraining.py --enable_torch_compile", compiled_runs)] if compiled_runs else []
     loops += [("plain PyTorch loop (no DeepSpeed)", plain_runs)] if plain_runs else []
     for name, runs in loops:
         listed = ", ".join(f"({r:.3f}, {c:.2f})" for r, c, *_ in runs)
@@ -203,16 +214,26 @@ def report(args, load_before, driver_runs, plain_runs):
         print(f"steps/s ratio driver / plain = {max(r[0] for r in driver_runs) / max(r[0] for r in plain_runs):.3f}; "
               f"CPU time per step ratio driver / plain = "
               f"{min(r[1] for r in driver_runs) / min(r[1] for r in plain_runs):.3f}")
-    _, _, summary, breakdown = max(driver_runs, key=lambda run: run[2]["mfu"])
+    eager_step = report_mfu(args, "driver", driver_runs)
+    if compiled_runs:
+        compiled_step = report_mfu(args, "driver --enable_torch_compile", compiled_runs)
+        print(f"steps after the first, eager / compiled step time = {eager_step / compiled_step:.3f} "
+              f"(best runs; per repeat: {', '.join(f'{sum(e[3].values()) / sum(c[3].values()):.3f}' for e, c in zip(driver_runs, compiled_runs))})")
+
+
+def report_mfu(args, name, runs) -> float:
+    """Prints the best run's MFU, all steps and steady; returns its seconds per step after the first."""
+    _, _, summary, breakdown = max(runs, key=lambda run: run[2]["mfu"])
     peak = summary["model_tflops"] / summary["mfu"]
-    print(f"driver (best run): {summary['training_sequences_per_second']:.3f} sequences/s, "
+    print(f"{name} (best run): {summary['training_sequences_per_second']:.3f} sequences/s, "
           f"{summary['model_tflops']:.4f} model TFLOP/s, MFU {summary['mfu']:.1%} of the {peak:.3f} TFLOP/s peak the "
           f"driver measured at start-up (its log says which product); all steps, the first included")
     step_time = sum(breakdown.values())
     steady_tflops = args.micro * args.gas / step_time * summary["model_tflops"] / summary["training_sequences_per_second"]
-    print(f"steps after the first: {step_time:.3f} s per optimizer step, MFU {steady_tflops / peak:.1%}; "
+    print(f"{name}, steps after the first: {step_time:.3f} s per optimizer step, MFU {steady_tflops / peak:.1%}; "
           + ", ".join(f"{phase} {seconds:.3f} s ({seconds / step_time:.1%})" for phase, seconds in breakdown.items())
           + " (rest: the driver outside DeepSpeed's forward/backward/step: data, loss, logging)")
+    return step_time
 
 
 if __name__ == "__main__":

@@ -13,9 +13,13 @@ Modes:
 - fp32: everything in float32.
 - bf16 autocast: both under torch.autocast(bfloat16) with float32 weights (the standard mixed-precision setup).
 
+`--compile` adds a third contender: our model compiled as `--enable_torch_compile` compiles it (inductor, in
+place, dropout from torch's generator), same weights and optimizer; its compilation falls in the warm-up steps.
+
     python bench/bench_model.py                           # the three shapes of issue 11, fp32 and bf16 autocast
     python bench/bench_model.py --shape 1.5b --modes bf16 --profile    # plus a torch.profiler table per model
     python bench/bench_model.py --config scripts/bert_large_config.json --batch 4 --layers 2
+    python bench/bench_model.py --modes bf16 --compile    # plus our model compiled, side by side
 """
 
 import argparse
@@ -54,6 +58,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and mode first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time our model under torch.compile (inductor), as --enable_torch_compile runs it")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one step of each model and print the top operators")
     args = parser.parse_args(argv)
@@ -172,18 +178,28 @@ def run_shape(name, config, batch_size, args):
                   build_optimizer("lans", get_parameter_groups(ours_model), LEARNING_RATE)),
         Contender("HF", hf_model, hf_loss, torch.optim.AdamW(hf_model.parameters(), lr=LEARNING_RATE)),
     ]
+    if args.compile:
+        from torch._inductor import config as inductor_config
+        inductor_config.fallback_random = True  # as runtime.compile_model sets it
+        compiled_model = BertForPreTraining(config).train()
+        compiled_model.load_state_dict(ours_model.state_dict())
+        compiled_model.compile(backend="inductor")
+        contenders.append(Contender("compiled", compiled_model, ours_loss,
+                                    build_optimizer("lans", get_parameter_groups(compiled_model), LEARNING_RATE)))
     batch = make_batch(config, batch_size, args.seq_len, args.max_pred)
     print(f"\n{name}: hidden {config.hidden_size}, layers {config.num_hidden_layers}, heads "
           f"{config.num_attention_heads}, intermediate {config.intermediate_size}, vocab "
           f"{config.padded_vocab_size}; batch {batch_size} x {args.seq_len}, {int((batch[3] != -1).sum())} "
           f"masked tokens; transformers attention {hf_model.config._attn_implementation}")
-    print(f"{'mode':<6} {'model':<5} {'step ms':>9} {'forward':>9} {'backward':>9} {'optimizer':>9} {'HF/ours':>8}")
+    print(f"{'mode':<6} {'model':<8} {'step ms':>9} {'forward':>9} {'backward':>9} {'optimizer':>9} "
+          f"{'HF/this':>8} {'ours/this':>9}")
     for mode in args.modes:
-        ours, theirs = time_alternating(contenders, batch, MODES[mode], args.steps, args.warmup)
-        for contender, times in zip(contenders, (ours, theirs)):
-            ratio = f"{theirs['step'] / ours['step']:>8.2f}" if contender.name == "HF" else ""
-            print(f"{mode:<6} {contender.name:<5} {times['step']:>9.1f} {times['forward']:>9.1f} "
-                  f"{times['backward']:>9.1f} {times['optimizer']:>9.1f} {ratio}")
+        results = time_alternating(contenders, batch, MODES[mode], args.steps, args.warmup)
+        ours, theirs = results[0], results[1]
+        for contender, times in zip(contenders, results):
+            ratios = "" if contender.name == "HF" else f"{theirs['step'] / times['step']:>8.2f} {ours['step'] / times['step']:>9.2f}"
+            print(f"{mode:<6} {contender.name:<8} {times['step']:>9.1f} {times['forward']:>9.1f} "
+                  f"{times['backward']:>9.1f} {times['optimizer']:>9.1f} {ratios}")
         if args.profile:
             for contender in contenders:
                 print_profile(contender, batch, MODES[mode])
