@@ -11,10 +11,15 @@ import time
 
 import torch
 
-# Dense bf16 TFLOP/s from the vendors' datasheets (NVIDIA H100/H200 SXM and A100; Intel's Gaudi product
-# table: Gaudi 60, Gaudi2 432, Gaudi3 1835). Matched against the device name, most specific first.
-DATASHEET_BF16_TFLOPS = (("gaudi3", 1835.0), ("gaudi2", 432.0), ("gaudi", 60.0),
-                         ("h200", 989.0), ("h100", 989.0), ("a100", 312.0))
+# Dense bf16 TFLOP/s from the vendors' datasheets, matched against the device name, most specific first.
+DATASHEET_BF16_TFLOPS = (
+    ("gaudi3", 1835.0),  # Intel Gaudi 3 AI accelerator product brief / white paper: 1835 TFLOPS BF16 (matrix)
+    ("gaudi2", 432.0),   # Intel Gaudi 2 product table (Habana developer site): 432 TFLOPS BF16
+    ("gaudi", 60.0),     # first-generation Gaudi (HL-205), same table: 60 TFLOPS BF16
+    ("h200", 989.0),     # NVIDIA H200 SXM datasheet: 1979 TFLOPS BF16 with sparsity, 989 dense
+    ("h100", 989.0),     # NVIDIA H100 SXM datasheet: 1979 TFLOPS BF16 with sparsity, 989 dense (PCIe: 756)
+    ("a100", 312.0),     # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense (624 with sparsity)
+)
 DEVICE_MEMORY_GIB_BY_NAME = (("gaudi3", 128), ("gaudi2", 96), ("gaudi", 32))  # HPUs; CUDA reports its own
 # The products timed on the CPU: BERT-1.5B's linear layers for 1024 tokens (micro-batch 8 x 128), as
 # nn.Linear computes them (x @ W^T, bf16 in bf16 out): FFN up, FFN down, attention output (m x k x n).
@@ -94,3 +99,42 @@ def device_memory_bytes(device: torch.device) -> tuple:
     local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
     total = psutil.virtual_memory().total
     return total / local_ranks, f"CPU memory {total / 2**30:.1f} GiB shared by {local_ranks} local rank(s)"
+
+
+class PeakAllocated:
+    """Peak bytes of tensors allocated on `device` while the block runs (`with PeakAllocated(device) as
+    peak: ...; peak.bytes`), what sizing.device_memory predicts. CUDA and Gaudi: the allocator's own peak.
+    CPU: the running sum of the torch profiler's allocation and free events (every tensor the CPU allocator
+    hands out, not the interpreter, the libraries or cached pages, which resident memory would mix in)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes, self._profiler = device, None, None
+
+    def _allocator(self):
+        if self.device.type == "hpu":
+            import habana_frameworks.torch.hpu as hpu
+            return hpu
+        return torch.cuda
+
+    def __enter__(self):
+        if self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        else:
+            self._allocator().reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        if self._profiler is None:
+            self.bytes = self._allocator().max_memory_allocated()
+            return False
+        self._profiler.__exit__(*exc)
+        events = sorted((event.start_ns(), event.nbytes()) for event in self._profiler.profiler.kineto_results.events()
+                        if event.name() == "[memory]" and str(event.device_type()).endswith("CPU"))
+        current = peak = 0
+        for _, change in events:
+            current += change
+            peak = max(peak, current)
+        self.bytes = peak
+        return False
