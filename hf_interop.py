@@ -7,10 +7,13 @@ same logits: config.json, model.safetensors, vocab.txt, tokenizer.json, tokenize
 special_tokens_map.json. The embedding and decoder rows padded to a multiple of 8 are dropped, so the
 directory has the vocabulary's size, as Hugging Face's own BERT checkpoints do.
 
-The pre-LN wiring (layer_norm_large_model, the 1.5B/5B recipe) has no transformers class: its directory has
-the same files, but config.json is this repository's BertConfig with model_type "bert_pre_ln", which
-transformers' Auto classes refuse (an explicit transformers.BertForPreTraining would load it with a
-model-type warning, into the wrong wiring: do not); the fine-tuning scripts read it back.
+The pre-LN wiring (layer_norm_large_model, the 1.5B/5B recipe) has no transformers class: its directory
+also holds hf_modeling_pre_ln.py, this repository's pre-LN model for transformers, named in config.json's
+auto_map, so `transformers.AutoModelForPreTraining.from_pretrained(dir, trust_remote_code=True)` (and
+AutoModel, AutoModelForSequenceClassification, AutoModelForQuestionAnswering) loads it with the same
+logits. Its config.json (model_type "bert_pre_ln") declares every layer "pre_ln" in layer_types, which
+transformers' own classes refuse: a plain `transformers.BertForPreTraining.from_pretrained(dir)` raises
+instead of loading the post-LN wiring. The fine-tuning scripts read it back.
 
     python hf_interop.py export --checkpoint results/bert_tiny/checkpoints --output_dir results/bert_tiny/hf \\
         --vocab_file data/vocab.txt [--config_file scripts/bert_tiny_config.json] [--do_lower_case]
@@ -34,6 +37,13 @@ from modeling import LAYER_NORM_EPS, BertConfig
 
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PRE_LN_MODEL_TYPE = "bert_pre_ln"  # our own format: no transformers class has this wiring
+PRE_LN_MODELING_FILE = Path(__file__).with_name("hf_modeling_pre_ln.py")  # transformers' remote code for it
+PRE_LN_AUTO_MAP = {"AutoConfig": "BertPreLNConfig", "AutoModel": "BertPreLNModel",
+                   "AutoModelForPreTraining": "BertPreLNForPreTraining",
+                   "AutoModelForSequenceClassification": "BertPreLNForSequenceClassification",
+                   "AutoModelForQuestionAnswering": "BertPreLNForQuestionAnswering"}
+# Keys of a pre-LN config.json that only transformers reads.
+PRE_LN_TRANSFORMERS_KEYS = ("model_type", "architectures", "auto_map", "layer_types")
 PADDED_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
 PADDED_BIAS = ("cls.predictions.bias", "cls.predictions.decoder.bias")
 # Names of old (TF-ported) checkpoints -> modeling_bert.py names.
@@ -60,7 +70,8 @@ def to_transformers_config(config: BertConfig, vocab_size: int | None = None) ->
 def from_transformers_config(values: dict, where) -> BertConfig:
     """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (PRE_LN_MODEL_TYPE)."""
     if values.get("model_type") == PRE_LN_MODEL_TYPE:
-        return BertConfig.from_dict({key: value for key, value in values.items() if key != "model_type"})
+        return BertConfig.from_dict({key: value for key, value in values.items()
+                                     if key not in PRE_LN_TRANSFORMERS_KEYS})
     if values["model_type"] != "bert":
         raise InputError(f"{where}: model_type {values['model_type']!r}, not a BERT model")
     if values.get("position_embedding_type", "absolute") != "absolute":
@@ -135,7 +146,7 @@ def read_hf_directory(path) -> tuple:
 
 def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case: bool, output_dir) -> bool:
     """Write the directory (atomically: it appears complete or not at all). Returns True when transformers
-    can load it (post-LN), False for our own pre-LN format."""
+    can load it with its own BertForPreTraining (post-LN), False for the pre-LN format (remote code)."""
     from safetensors.torch import save_file
     from data.tokenization import load_tokenizer
 
@@ -149,14 +160,27 @@ def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case:
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
         if config.layer_norm_large_model:
-            model_config = {"model_type": PRE_LN_MODEL_TYPE, **config.to_dict()}
+            model_config = pre_ln_transformers_config(config)
+            shutil.copyfile(PRE_LN_MODELING_FILE, tmp / PRE_LN_MODELING_FILE.name)
         else:
             model_config = {"model_type": "bert", "architectures": ["BertForPreTraining"],
                             **to_transformers_config(config, vocab_size=config.vocab_size)}
         write_text_atomically(tmp / "config.json", json.dumps(model_config, indent=2) + "\n")
-        save_file(unpadded_state_dict(state, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        weights = tmp / "model.safetensors"
+        save_file(unpadded_state_dict(state, config), str(weights), metadata={"format": "pt"})
+        # safetensors creates its file 0600; give it the mode (from the umask) of the files written here.
+        weights.chmod((tmp / "config.json").stat().st_mode & 0o777)
         write_tokenizer_files(tokenizer, vocab_file, do_lower_case, config, tmp)
     return not config.layer_norm_large_model
+
+
+def pre_ln_transformers_config(config: BertConfig) -> dict:
+    """config.json of a pre-LN export: our BertConfig, plus what transformers needs to build
+    hf_modeling_pre_ln.py's classes (and to refuse its own post-LN BERT)."""
+    module = PRE_LN_MODELING_FILE.stem
+    return {"model_type": PRE_LN_MODEL_TYPE, "architectures": ["BertPreLNForPreTraining"],
+            "auto_map": {auto: f"{module}.{name}" for auto, name in PRE_LN_AUTO_MAP.items()},
+            "layer_types": ["pre_ln"] * config.num_hidden_layers, **config.to_dict()}
 
 
 def write_tokenizer_files(tokenizer, vocab_file, do_lower_case: bool, config: BertConfig, directory: Path):
@@ -261,8 +285,9 @@ def main(argv=None) -> int:
     if loadable:
         print(f"wrote {args.output_dir}: transformers.BertForPreTraining.from_pretrained loads it")
     else:
-        print(f"wrote {args.output_dir}: pre-LN wiring, which transformers has no class for; "
-              "run_glue.py / run_squad.py (--init_checkpoint) read it")
+        print(f"wrote {args.output_dir}: pre-LN wiring; transformers loads it with trust_remote_code=True "
+              "(AutoModelForPreTraining, AutoModel, AutoModelForSequenceClassification, "
+              "AutoModelForQuestionAnswering), run_glue.py / run_squad.py (--init_checkpoint) read it")
     return 0
 
 

@@ -1,11 +1,13 @@
 """hf_interop.py against the real transformers: export -> BertForPreTraining.from_pretrained gives our logits;
-a transformers save_pretrained directory read back gives transformers' logits; the pre-LN wiring is refused
-by transformers and read back by us; the weight sources and their one-line errors."""
+a transformers save_pretrained directory read back gives transformers' logits; a pre-LN export loads in
+transformers through its remote code (hf_modeling_pre_ln.py) with equal logits, is refused by transformers'
+own BERT and is read back by us; the weight sources and their one-line errors."""
 
 import json
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
 
 import hf_interop
 from errors import InputError
@@ -92,21 +94,68 @@ def test_a_transformers_directory_reads_back_with_equal_logits(tmp_path):
     torch.testing.assert_close(nsp, theirs.seq_relationship_logits, atol=1e-5, rtol=0)
 
 
-def test_the_pre_ln_wiring_is_exported_in_our_format_that_transformers_refuses(tmp_path):
+def export_pre_ln(tmp_path):
     config = small_config(layer_norm_large_model=True)
     model = perturbed_model(config)
     weights, config_file = save_state_dict_file(model, tmp_path)
-    out = tmp_path / "ours"
+    out = tmp_path / "pre_ln"
     assert hf_interop.main(["export", "--checkpoint", str(weights), "--config_file", str(config_file),
                             "--vocab_file", str(VOCAB), "--do_lower_case", "--output_dir", str(out)]) == 0
-    assert json.loads((out / "config.json").read_text())["model_type"] == "bert_pre_ln"
-    with pytest.raises(ValueError, match="bert_pre_ln"):
+    return model, out
+
+
+def test_a_pre_ln_export_loads_in_transformers_as_remote_code_with_equal_logits(tmp_path):
+    model, out = export_pre_ln(tmp_path)
+    config = model.config
+    assert (out / "hf_modeling_pre_ln.py").read_bytes() == hf_interop.PRE_LN_MODELING_FILE.read_bytes()
+    batch = real_pair_batch(transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True))
+    with torch.no_grad():
+        mlm, nsp = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        sequence_output, pooled = model.bert(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        theirs = transformers.AutoModelForPreTraining.from_pretrained(out, trust_remote_code=True).eval()(**batch)
+        base = transformers.AutoModel.from_pretrained(out, trust_remote_code=True).eval()(**batch)
+    assert mlm[..., :config.vocab_size].std() > 0.1  # logits that differ between the wirings
+    torch.testing.assert_close(mlm[..., :config.vocab_size], theirs.prediction_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(nsp, theirs.seq_relationship_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sequence_output, base.last_hidden_state, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pooled, base.pooler_output, atol=1e-5, rtol=0)
+    # The fine-tuning heads: the encoder's weights load, the new head is reported and trains.
+    for auto, head_output in ((transformers.AutoModelForSequenceClassification, "logits"),
+                              (transformers.AutoModelForQuestionAnswering, "start_logits")):
+        head_model, info = auto.from_pretrained(out, trust_remote_code=True, num_labels=3, output_loading_info=True)
+        assert all(key.startswith(("cls.", "bert.pooler.")) for key in info["unexpected_keys"]), info
+        assert all(not key.startswith("bert.") for key in info["missing_keys"]), info["missing_keys"]
+        labels = ({"labels": torch.tensor([0, 2])} if head_output == "logits"
+                  else {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4])})
+        output = head_model.train()(**batch, **labels)
+        output.loss.backward()
+        assert torch.isfinite(output.loss) and getattr(output, head_output).shape[0] == 2
+
+
+def test_a_pre_ln_export_is_refused_by_transformers_post_ln_bert_and_read_back_by_us(tmp_path):
+    model, out = export_pre_ln(tmp_path)
+    config = model.config
+    values = json.loads((out / "config.json").read_text())
+    assert values["model_type"] == "bert_pre_ln" and values["layer_types"] == ["pre_ln"] * config.num_hidden_layers
+    # transformers 5 only warns when a config's model_type is not the class's; its strict config validation
+    # refuses layer_types it does not know, so a plain load raises before any weight is read.
+    for plain in (transformers.BertForPreTraining, transformers.BertModel):
+        with pytest.raises(StrictDataclassClassValidationError, match=r"(?s)layer_types.*\['pre_ln', 'pre_ln'\]"):
+            plain.from_pretrained(out)
+    with pytest.raises(ValueError, match="trust_remote_code"):
         transformers.AutoModelForPreTraining.from_pretrained(out)
     read_config, read_weights = hf_interop.read_pretrained_weights(out)
     assert read_config == config
     for key, value in model.state_dict().items():  # padding rows of the vocabulary are not exported
         rows = config.vocab_size if key in hf_interop.PADDED_ROWS + hf_interop.PADDED_BIAS else None
         assert torch.equal(read_weights[key][:rows], value[:rows]), key
+
+
+def test_exported_files_share_one_mode(tmp_path):
+    _, out = export_pre_ln(tmp_path)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes
+    assert modes["model.safetensors"] & 0o044 == 0o044, modes  # readable by others, as the umask allows
 
 
 def test_a_checkpoint_for_another_config_is_one_error(tmp_path):
