@@ -2,11 +2,12 @@
 
 The moments are drawn from a seeded RNG (FAULT_SEED overrides): mid step (before a backward), right
 after an optimizer step, inside a checkpoint save (a torn torch.save file, or before one of the
-renames that commit the rank file, the manifest or `latest`), or after a random delay from the
-outside (start-up included). After every kill, `latest` must name a complete checkpoint (or be
-absent), and the run is resumed with --resume_from_checkpoint. At the end, every step's loss (a step
+renames that commit the rank file, the manifest or `latest`), or from the outside at a moment tied to
+the run's progress (start-up included). After every kill, `latest` must name a complete checkpoint (or
+be absent), and the run is resumed with --resume_from_checkpoint. At the end, every step's loss (a step
 re-done after a kill included) and every tensor of the final checkpoint must equal those of one
-uninterrupted run. The figures are printed:
+uninterrupted run. Every kill falls within the next few steps of its run, counted in events and output
+lines rather than seconds, so all 20 land whatever the machine's speed. The figures are printed:
 
     python -m pytest tests/test_fault_injection.py -m slow -s
 """
@@ -14,7 +15,8 @@ uninterrupted run. The figures are printed:
 import os
 import random
 import signal
-import subprocess
+import threading
+import time
 import warnings
 
 import pytest
@@ -22,16 +24,15 @@ import torch
 
 import checkpointing
 import run_pretraining
-from test_resume import (SHARD_SIZES, STEP_LOSS, checkpoint_differences, driver_args, ds_config, finish, run,
+from test_resume import (HOLD_LINE, SHARD_SIZES, STEP_LOSS, checkpoint_differences, driver_args, ds_config, finish,
                          start, step_losses)
 import helpers
 
 KILLS = 20
 TARGET_STEPS = 48          # 192 samples: the runs cross two epoch boundaries (81 samples each)
 EVERY = 2                  # --num_steps_per_checkpoint
-KINDS = ("backward", "step", "torch_save", "replace", "delay")
-KIND_WEIGHTS = (3, 2, 2, 2, 1)
-MAX_DELAY_S = 12.0         # covers start-up (imports, engine) and the first steps on a loaded machine
+KINDS = ("backward", "step", "torch_save", "replace", "outside")
+KIND_WEIGHTS = (3, 2, 2, 2, 2)
 
 
 def calls_per_save(tmp_path, data, config, monkeypatch) -> dict:
@@ -68,32 +69,67 @@ def calls_per_save(tmp_path, data, config, monkeypatch) -> dict:
     return {"torch_save": counts["torch_save"] // 2, "replace": counts["replace"] // 2}
 
 
-def draw_kill(rng: random.Random, remaining_steps: int, per_save: dict) -> tuple[str, float]:
-    """(kind, n): die at the n-th event of that kind (or after n seconds for "delay"), chosen within
-    the next few steps so that every draw happens before the run could end. per_save: calls_per_save."""
-    # A delay could outlast a short remaining run, which would then end without being killed.
-    kinds = KINDS if remaining_steps > 12 else KINDS[:-1]
-    kind = rng.choices(kinds, KIND_WEIGHTS[:len(kinds)])[0]
+def draw_kill(rng: random.Random, remaining_steps: int, per_save: dict, startup_lines: int) -> tuple[str, tuple]:
+    """(kind, where), within the run's next few steps, so that every kill lands before the run could end.
+    In-process kinds: where = (n,), die at the n-th event of that kind. "outside": where = (line, fraction,
+    hold): SIGKILL from here after the run's line-th line of output (0: its start), plus that fraction
+    of the gap before that line; the run holds before its hold-th backward (see run_once).
+    per_save: calls_per_save; startup_lines: lines a run prints before its first step."""
+    kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
     steps_ahead = min(remaining_steps, 2 * EVERY + 1)
     saves_ahead = max(1, steps_ahead // EVERY)
-    if kind in ("backward", "step"):
-        return kind, rng.randint(1, steps_ahead)
+    if kind in ("backward", "step"):  # one of each per step (no accumulation)
+        return kind, (rng.randint(1, steps_ahead),)
     if kind in per_save:
-        return kind, rng.randint(1, per_save[kind] * saves_ahead)
-    return kind, round(rng.uniform(0.0, MAX_DELAY_S), 2)
+        return kind, (rng.randint(1, per_save[kind] * saves_ahead),)
+    return kind, (rng.randint(0, startup_lines + steps_ahead), round(rng.random(), 2), steps_ahead)
 
 
-def run_once(argv, kill):
-    """One resumed run; returns (status, output). Kills from inside (FAULT_KILL) or, for "delay",
-    SIGKILL to the whole process group from here."""
-    kind, amount = kill if kill else (None, None)
-    process = start(argv, 1, kill=f"{kind}:{amount}" if kind not in (None, "delay") else None)
-    if kind == "delay":
+def run_once(argv, kill, time_to_first_line):
+    """One resumed run; returns (status, output, held). In-process kills come from FAULT_KILL. An
+    "outside" kill is SIGKILL to the whole process group from here, at a moment set by the run's own
+    progress: its line-th line of output, then a fraction of the gap between that line and the one
+    before (line 0 is the start, and its gap the reference run's time to its first line). The run holds
+    (sleeps) before the backward that ends the kill's window, so a kill that the run's progress outran
+    lands there (held = True) instead of never."""
+    kind, where = kill if kill else (None, None)
+    if kind != "outside":
+        process = start(argv, 1, kill=f"{kind}:{where[0]}" if kind else None)
+        return (*finish(process), False)
+    line, fraction, hold = where
+    process = start(argv, 1, kill=f"hold:{hold}")
+    lines, times, ended, changed = [], [time.monotonic()], [False], threading.Condition()
+
+    def read():
+        for text in process.stdout:
+            with changed:
+                lines.append(text)
+                times.append(time.monotonic())
+                changed.notify_all()
+        with changed:
+            ended[0] = True
+            changed.notify_all()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def held():
+        return bool(lines) and lines[-1].startswith(HOLD_LINE)
+
+    try:
+        with changed:
+            assert changed.wait_for(lambda: len(lines) >= line or held() or ended[0], timeout=300), "no output"
+            if len(lines) >= line and not held():
+                gap = times[line] - times[line - 1] if line else time_to_first_line
+                changed.wait_for(lambda: held() or ended[0], timeout=fraction * gap)
+            was_held = held()
+    finally:
         try:
-            process.wait(timeout=amount)
-        except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-    return finish(process)
+        except ProcessLookupError:  # it ended by itself: the caller reports the kill as not delivered
+            pass
+    reader.join(timeout=60)
+    return process.wait(timeout=60), "".join(lines), was_held
 
 
 def latest_is_complete(out) -> bool:
@@ -120,22 +156,32 @@ def test_twenty_random_kills_then_same_result(tmp_path, monkeypatch):
     helpers.write_synthetic_shards(data, SHARD_SIZES)
     config = ds_config(tmp_path, stage=1, bf16=True, world=1)
     per_save = calls_per_save(tmp_path, data, config, monkeypatch)
-    reference = run(driver_args(data, tmp_path / "ref", config, tmp_path / "ref.json", TARGET_STEPS), 1)
+    started = time.monotonic()
+    process = start(driver_args(data, tmp_path / "ref", config, tmp_path / "ref.json", TARGET_STEPS), 1)
+    first_line = process.stdout.readline()
+    time_to_first_line = time.monotonic() - started
+    status, reference = finish(process)
+    reference = first_line + reference
+    assert status == 0, reference[-3000:]
+    startup_lines = next(i for i, line in enumerate(reference.splitlines()) if STEP_LOSS.search(line))
 
-    out, outputs, kills, resumes, broken_latest, history = tmp_path / "out", [], 0, 0, 0, []
+    out, outputs, kills, holds, resumes, broken_latest, history = tmp_path / "out", [], 0, 0, 0, 0, []
     while latest_step(out) < TARGET_STEPS:
         assert len(outputs) < 4 * KILLS, f"no progress: {history}"
-        kill = draw_kill(rng, TARGET_STEPS - latest_step(out), per_save) if kills < KILLS else None
-        status, output = run_once(driver_args(data, out, config, tmp_path / f"run{len(outputs)}.json",
-                                              TARGET_STEPS, num_steps_per_checkpoint=EVERY), kill)
+        kill = draw_kill(rng, TARGET_STEPS - latest_step(out), per_save, startup_lines) if kills < KILLS else None
+        status, output, held = run_once(driver_args(data, out, config, tmp_path / f"run{len(outputs)}.json",
+                                                    TARGET_STEPS, num_steps_per_checkpoint=EVERY),
+                                        kill, time_to_first_line)
         outputs.append(output)
         resumes += "resumed from checkpoint" in output
+        holds += held
         history.append((kill, status, latest_step(out)))
-        if status == -signal.SIGKILL:
+        if kill:
+            assert status == -signal.SIGKILL, f"run {len(outputs)}: kill {kill} not delivered ({status}):\n{output[-3000:]}"
             kills += 1
             broken_latest += not latest_is_complete(out)
         else:
-            assert status == 0, f"run {len(outputs)} ({kill}) failed:\n{output[-3000:]}"
+            assert status == 0, f"run {len(outputs)} failed:\n{output[-3000:]}"
 
     expected = step_losses(reference)
     logged = [(int(step), float(loss)) for output in outputs for step, loss in STEP_LOSS.findall(output)]
@@ -143,7 +189,8 @@ def test_twenty_random_kills_then_same_result(tmp_path, monkeypatch):
     loss_mismatches = sum(loss != expected[step] for step, loss in logged)  # re-done steps count each time
     tensor_mismatches = len(checkpoint_differences(tmp_path / "ref" / str(TARGET_STEPS), out / str(TARGET_STEPS)))
     mismatches = loss_mismatches + tensor_mismatches + broken_latest
-    print(f"\nfault injection ({per_save} calls per save): {kills} kills, {resumes} resumes, {len(outputs)} runs, "
+    print(f"\nfault injection ({per_save} calls per save): {kills} kills ({holds} outside kills held at the "
+          f"window's end), {resumes} resumes, {len(outputs)} runs, "
           f"{mismatches} mismatches ({loss_mismatches} step losses, {tensor_mismatches} checkpoint tensors, {broken_latest} unusable "
           f"`latest`); kills: {[k for k, s, _ in history if s == -signal.SIGKILL]}")
     assert kills == KILLS

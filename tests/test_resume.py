@@ -8,7 +8,8 @@ run has to find its place in the shuffled sample stream.
 
 This file is also the program that the kill tests launch instead of run_pretraining.py:
 ``python tests/test_resume.py <driver args>`` with FAULT_KILL=<event>:<n>[:<rank>] in the environment
-SIGKILLs the process at the n-th <event> (see KILL_EVENTS), then runs the driver unchanged.
+SIGKILLs the process at the n-th <event> (see KILL_EVENTS; "hold" instead stops there until killed from
+outside), then runs the driver unchanged.
 """
 
 import errno
@@ -19,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -67,6 +69,21 @@ def _kill_after(function, should_die):
     return wrapper
 
 
+HOLD_LINE = "[fault injection] holding before this backward until killed"
+
+
+def _hold_before(function, should_hold):
+    """At the chosen call, say so on stdout and wait to be killed from outside (the latest moment an
+    outside kill may land: the run cannot end before it)."""
+    def wrapper(*args, **kwargs):
+        if should_hold():
+            print(HOLD_LINE, flush=True)
+            while True:
+                time.sleep(3600)
+        return function(*args, **kwargs)
+    return wrapper
+
+
 def _torn_save(function, should_die):
     """torch.save that, at the chosen call, leaves half a file behind before dying (a torn write)."""
     def wrapper(obj, f, *args, **kwargs):
@@ -101,6 +118,7 @@ KILL_EVENTS = {
     "step": ("deepspeed.runtime.engine", "DeepSpeedEngine.step", _kill_after),  # update done, not saved
     "torch_save": ("torch", "save", _torn_save),  # inside a checkpoint save: a file half written
     "replace": ("os", "replace", _kill_before),  # inside a save: rank file, manifest or `latest` not renamed
+    "hold": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _hold_before),  # wait for an outside kill
 }
 
 
