@@ -7,12 +7,16 @@ whitespace collapsed. Exact match is 1 when the normalised prediction equals a n
 F1 is the harmonic mean of token precision and recall (tokens counted with multiplicity); both take the
 maximum over the gold answers. v2.0 files (their "version", or a question without answers, says so) follow
 the v2.0 script: a question with no gold answer that survives normalisation has the single gold answer "",
-so only the empty prediction scores there; v1.1 files follow the v1.1 script, where F1 against an empty
-side is 0. A question missing from the predictions scores 0.
+so only the empty prediction scores there; but whether a question counts as HasAns or NoAns depends on its
+raw answer list, as the v2.0 script decides it: gold answers "the" or "." make a HasAns question whose only
+right prediction is "", and which scores 0 when its no-answer probability exceeds the threshold. v1.1 files
+follow the v1.1 script, where F1 against an empty side is 0. A question missing from the predictions
+scores 0 (the official script skips it in the totals and fails on the HasAns/NoAns splits).
 
 v1.1 files print {"exact_match", "f1"} like the official v1.1 script; v2.0 files print the official v2.0
 script's dict: exact, f1, total, the HasAns_/NoAns_ splits and, with a no-answer probability file, the best
-thresholds (best_exact, best_exact_thresh, best_f1, best_f1_thresh). A question whose no-answer probability
+thresholds (best_exact, best_exact_thresh, best_f1, best_f1_thresh: the official sweep, ties in no-answer
+probability taken one question at a time in the probability file's order). A question whose no-answer probability
 exceeds --na-prob-thresh counts as answered "" (null_odds.json from run_squad.py serves as that file).
 """
 import argparse
@@ -53,17 +57,26 @@ def gold_answers(qa) -> list:
     return texts or [""]
 
 
+def all_questions(dataset_json):
+    """The question dicts of a parsed SQuAD file, in file order."""
+    return [qa for article in dataset_json["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
+
+
 def read_questions(dataset_json, v2_rules=True) -> dict:
     """{question id: gold answer texts} of a parsed SQuAD file, in file order (v1.1: every gold text)."""
     return {str(qa["id"]): gold_answers(qa) if v2_rules else [answer["text"] for answer in qa["answers"]]
-            for article in dataset_json["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]}
+            for qa in all_questions(dataset_json)}
+
+
+def has_answers(dataset_json) -> dict:
+    """{question id: HasAns}, from the raw answer list as the v2.0 script decides it (not after normalisation)."""
+    return {str(qa["id"]): bool(qa.get("answers")) for qa in all_questions(dataset_json)}
 
 
 def is_version_2(dataset_json) -> bool:
     """A v2.0 file says so in "version" or has unanswerable questions."""
     return str(dataset_json.get("version", "")).lstrip("v").startswith("2") or any(
-        qa.get("is_impossible") or not qa.get("answers") for article in dataset_json["data"]
-        for paragraph in article["paragraphs"] for qa in paragraph["qas"])
+        qa.get("is_impossible") or not qa.get("answers") for qa in all_questions(dataset_json))
 
 
 def raw_scores(questions: dict, predictions: dict, v2_rules=True):
@@ -88,10 +101,14 @@ def apply_no_answer_threshold(scores: dict, na_probs: dict, has_answer: dict, th
 
 def best_threshold(predictions, scores, na_probs, has_answer):
     """(best score in %, its threshold) when every question whose no-answer probability exceeds the threshold
-    is answered "": sweep the questions by probability, starting from "all answered empty"."""
+    is answered "": the v2.0 script's sweep by rising probability from "all answered empty". Like it, this
+    takes only the questions of the probability file, equal probabilities one at a time in that file's order
+    (a stable sort), and keeps a new best after any question, also inside a run of equal probabilities."""
     score = best = sum(not has for has in has_answer.values())
     threshold = 0.0
-    for qid in sorted(scores, key=lambda q: na_probs.get(q, 0.0)):
+    for qid in sorted(na_probs, key=lambda q: na_probs[q]):
+        if qid not in scores:
+            continue
         if has_answer[qid]:
             score += scores[qid]
         elif predictions.get(qid):
@@ -114,7 +131,7 @@ def evaluate(dataset_json, predictions: dict, na_probs=None, na_prob_thresh=1.0)
     exact, f1 = raw_scores(questions, predictions, v2_rules)
     if not v2_rules:
         return {"exact_match": 100.0 * sum(exact.values()) / len(exact), "f1": 100.0 * sum(f1.values()) / len(f1)}
-    has_answer = {qid: golds != [""] for qid, golds in questions.items()}
+    has_answer = has_answers(dataset_json)
     probs = na_probs or {}
     exact_after = apply_no_answer_threshold(exact, probs, has_answer, na_prob_thresh)
     f1_after = apply_no_answer_threshold(f1, probs, has_answer, na_prob_thresh)

@@ -61,7 +61,8 @@ def test_v1_missing_prediction_scores_zero():
 
 
 def v2_dataset():
-    # A and C have answers; B and D are unanswerable (no gold, or only golds that normalise to "").
+    # A and C have answers; B is unanswerable (no gold); D's only gold "the" normalises to "", so only ""
+    # is right there, but D counts as HasAns: the v2.0 script decides that from the raw answer list.
     return squad([qa("A", "Darcy"), {"id": "B", "question": "?", "answers": [], "is_impossible": True},
                   qa("C", "Elizabeth"), qa("D", "the")], version="v2.0")
 
@@ -69,21 +70,60 @@ def v2_dataset():
 def test_v2_no_answer_scoring_and_splits():
     predictions = {"A": "Darcy", "B": "", "C": "", "D": "Netherfield"}
     result = m.evaluate(v2_dataset(), predictions)
-    # A right, B right (empty for unanswerable), C wrong (empty for answerable), D wrong (text for unanswerable)
-    assert result == {"exact": 50.0, "f1": 50.0, "total": 4, "HasAns_exact": 50.0, "HasAns_f1": 50.0,
-                      "HasAns_total": 2, "NoAns_exact": 50.0, "NoAns_f1": 50.0, "NoAns_total": 2}
+    # A right, B right (empty for unanswerable), C wrong (empty for answerable), D wrong (text where only ""
+    # matches): HasAns = A, C, D (1 of 3 right), NoAns = B.
+    assert result == {"exact": 50.0, "f1": 50.0, "total": 4, "HasAns_exact": pytest.approx(100 / 3),
+                      "HasAns_f1": pytest.approx(100 / 3), "HasAns_total": 3, "NoAns_exact": 100.0,
+                      "NoAns_f1": 100.0, "NoAns_total": 1}
 
 
 def test_v2_best_threshold_hand_computed():
     predictions = {"A": "Darcy", "B": "x", "C": "Jane", "D": "y"}
     na_probs = {"A": 0.1, "B": 0.9, "C": 0.5, "D": 0.3}
-    # Sweep from "all empty" (2 of 4 right): answer A (+1 -> 3, best, threshold 0.1), then D (-1), C (+0), B (-1).
+    # Sweep from "all empty" (1 of 4 right: B): answer A (+1 -> 2, best, threshold 0.1), then D (HasAns,
+    # wrong: +0), C (+0), B (answered "x": -1).
     result = m.evaluate(v2_dataset(), predictions, na_probs)
-    assert result["best_exact"] == 75.0 and result["best_exact_thresh"] == 0.1
-    assert result["best_f1"] == 75.0 and result["best_f1_thresh"] == 0.1
+    assert result["best_exact"] == 50.0 and result["best_exact_thresh"] == 0.1
+    assert result["best_f1"] == 50.0 and result["best_f1_thresh"] == 0.1
     assert result["exact"] == 25.0  # threshold 1.0: nobody is switched to ""
     # Threshold 0.4: B (0.9) and C (0.5) count as answered "": B becomes right, C stays wrong.
     assert m.evaluate(v2_dataset(), predictions, na_probs, na_prob_thresh=0.4)["exact"] == 50.0
+
+
+def article_answers_dataset():
+    # q1's only gold "the" normalises to "": HasAns (raw list not empty), right answer "".
+    return squad([qa("q1", "the"), qa("q2", "Paris"), qa("q3"), qa("q4", "Rome"), qa("q5")], version="v2.0")
+
+
+ARTICLE_PREDICTIONS = {"q1": "", "q2": "Paris", "q3": "London", "q4": "Rome city", "q5": ""}
+# Raw scores: exact q1 1, q2 1, q3 0, q4 0, q5 1; F1 the same except q4: P 1/2, R 1 -> 2/3.
+
+
+def test_v2_has_answer_comes_from_the_raw_answer_list():
+    result = m.evaluate(article_answers_dataset(), ARTICLE_PREDICTIONS)
+    assert result == {"exact": 60.0, "f1": pytest.approx(100 * (3 + 2 / 3) / 5), "total": 5,
+                      "HasAns_exact": pytest.approx(200 / 3), "HasAns_f1": pytest.approx(100 * (2 + 2 / 3) / 3),
+                      "HasAns_total": 3, "NoAns_exact": 50.0, "NoAns_f1": 50.0, "NoAns_total": 2}
+    # Threshold 0.4: q1, q3, q4, q5 count as answered "": q1 (HasAns) and q4 score 0, q3 and q5 1; q2 stays 1.
+    na_probs = {"q3": 0.5, "q1": 0.5, "q2": 0.2, "q4": 0.5, "q5": 0.9}
+    result = m.evaluate(article_answers_dataset(), ARTICLE_PREDICTIONS, na_probs, na_prob_thresh=0.4)
+    assert (result["exact"], result["f1"], result["HasAns_exact"], result["NoAns_exact"]) == (
+        60.0, 60.0, pytest.approx(100 / 3), 100.0)
+
+
+@pytest.mark.parametrize("na_probs, expected", [
+    # Probability order q2 (0.2), then the tie at 0.5 in the file's order q3, q1, q4, then q5 (0.9). Start: the
+    # 2 NoAns right. exact: q2 +1 -> 3 (best, 0.2); q3 answered "London" -1 -> 2; q1 +1 -> 3; q4 +0; q5 +0.
+    # F1: q2 -> 3 (0.2); q3 -> 2; q1 -> 3; q4 +2/3 -> 3 2/3 (best, 0.5); q5 +0.
+    ({"q3": 0.5, "q1": 0.5, "q2": 0.2, "q4": 0.5, "q5": 0.9}, (60.0, 0.2, 100 * (3 + 2 / 3) / 5, 0.5)),
+    # The same probabilities, the tie in the order q1, q4, q3: exact q2 -> 3 (0.2); q1 -> 4 (best, 0.5), q4 4,
+    # q3 3, q5 3. F1: q2 3; q1 4; q4 4 2/3 (best, 0.5); q3 3 2/3; q5.
+    ({"q1": 0.5, "q4": 0.5, "q3": 0.5, "q2": 0.2, "q5": 0.9}, (80.0, 0.5, 100 * (4 + 2 / 3) / 5, 0.5)),
+])
+def test_v2_best_thresholds_take_ties_in_the_probability_files_order(na_probs, expected):
+    result = m.evaluate(article_answers_dataset(), ARTICLE_PREDICTIONS, na_probs)
+    got = (result["best_exact"], result["best_exact_thresh"], result["best_f1"], result["best_f1_thresh"])
+    assert got == pytest.approx(expected)
 
 
 def run_cli(*args):
@@ -99,7 +139,7 @@ def test_cli_prints_official_dicts(tmp_path):
     result = run_cli(data, tmp_path / "pred.json", "--na-prob-file", tmp_path / "odds.json")
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
-    assert printed["exact"] == 25.0 and printed["best_exact"] == 75.0 and printed["NoAns_total"] == 2
+    assert printed["exact"] == 25.0 and printed["best_exact"] == 50.0 and printed["NoAns_total"] == 1
 
 
 def test_cli_malformed_json_is_one_line(tmp_path):
