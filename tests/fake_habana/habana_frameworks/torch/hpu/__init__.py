@@ -7,3 +7,11 @@ def device_count() -> int:
 
 def is_available() -> bool:
     return device_count() > 0
+
+
+class Event:
+    """Named (as a type) by DeepSpeed's modules at import; never used here."""
+
+
+class Stream(Event):
+    """Named (as a type) by DeepSpeed's modules at import; never used here."""
