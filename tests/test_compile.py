@@ -73,3 +73,23 @@ def test_bad_compile_flags_are_refused_before_training(tmp_path, shards, flags, 
     with pytest.raises(InputError, match=message):
         run_pretraining.main([str(arg) for arg in argv])
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.slow
+def test_fine_tuning_compiled_follows_eager(tmp_path, monkeypatch):
+    """run_glue.py (finetuning.py's loop, which run_squad.py shares): the same losses and dev predictions."""
+    import run_glue
+    from finetune_helpers import TINY_CONFIG, write_sst2_rule_task
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    data = write_sst2_rule_task(tmp_path / "data", 64, 16)
+    summaries = {}
+    for compiled in (False, True):
+        out = tmp_path / str(compiled)
+        summaries[compiled] = run_glue.main(helpers.flags_to_argv({
+            "task_name": "sst-2", "data_dir": data, "vocab_file": helpers.REPO_ROOT / "data" / "vocab.txt",
+            "do_lower_case": True, "output_dir": out, "do_train": True, "do_eval": True, "max_seq_length": 32,
+            "train_batch_size": 16, "learning_rate": 5e-4, "no_cuda": True, "disable-progress-bar": True,
+            "log_freq": 1, "config_file": TINY_CONFIG, "max_steps": 4, "enable_torch_compile": compiled}))
+    eager, compiled = summaries[False], summaries[True]
+    assert compiled["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    assert compiled["acc"] == eager["acc"]
