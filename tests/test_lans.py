@@ -258,6 +258,7 @@ DEEPSPEED_SCRIPT = textwrap.dedent("""
         "records": RecordingLANS.records, "steps_after_init": steps_after_init,
         "final": [[p.detach().tolist() for p in g["params"]] for g in optimizer.param_groups],
         "steps": [g["step"] for g in optimizer.param_groups]}))
+    torch.distributed.destroy_process_group()  # not left to the interpreter's exit (gloo could abort there)
 """)
 
 

@@ -80,6 +80,11 @@ SCRIPT = textwrap.dedent("""
                          "max_diff": diff}
     if rank == 0:
         print("RESULT " + json.dumps(results))
+    # Tear the process groups down while the interpreter is alive (as the driver does): left to the
+    # interpreter's exit, gloo's threads were torn down with it and a rank could abort (SIGABRT,
+    # "terminate called without an active exception") after its work was done.
+    dist.barrier()
+    dist.destroy_process_group()
 """)
 
 RUNS = [("zero1", 1, False, False, True), ("zero2", 2, False, False, True),
