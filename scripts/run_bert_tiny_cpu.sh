@@ -94,12 +94,14 @@ echo "${command[*]}"
 "${command[@]}"
 
 python - "$JSON_SUMMARY" <<'PY'
-import json, sys
+import json, math, sys
 records = [json.loads(line[5:]) for line in open(sys.argv[1]) if line.startswith("DLLL ")]
 losses = [r["data"]["average_loss"] for r in records if r["type"] == "LOG" and "average_loss" in r["data"]]
 summary = [r["data"] for r in records if r["type"] == "LOG" and r["step"] == []][-1]
 if losses:
-    print(f"== loss {losses[0]:.3f} (first logged window) -> {losses[-1]:.3f} (last); ln(30522) = 10.326")
+    # The loss is MLM + next sentence: a uniform guess scores ln(vocabulary) + ln(2), where training starts.
+    print(f"== loss {losses[0]:.3f} (first logged window) -> {losses[-1]:.3f} (last); uniform guess: "
+          f"ln(30522) + ln(2) = {math.log(30522) + math.log(2):.3f}")
 print(f"== summary: {json.dumps(summary)}")
 print(f"== dllogger: {sys.argv[1]}")
 PY

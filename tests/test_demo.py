@@ -1,5 +1,6 @@
 """The README's main command, scripts/run_bert_tiny_cpu.sh, end to end: the offline data pipeline on the
-committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher (ZeRO-1, bf16, LANS)."""
+committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher (ZeRO-1, bf16, LANS).
+The demo is deterministic, so its losses must be the ones the documentation quotes."""
 import json
 import math
 import os
@@ -14,6 +15,25 @@ import helpers
 from data.shard_format import read_shard_header
 
 REPO = Path(__file__).resolve().parent.parent
+# The documentation's sentence on the demo's losses (default 120 steps, logged every 10).
+QUOTED_LOSSES = re.compile(r"loss falls from (?P<first>\d+\.\d+) \(mean of steps 1–10\) to (?P<last>\d+\.\d+) "
+                           r"\(mean of steps 111–120\); `final_loss`, the mean over both ranks, is (?P<final>\d+\.\d+)"
+                           .replace(" ", r"\s+"))  # wherever the lines wrap
+UNIFORM_GUESS = re.compile(r"ln\(30522\) \+ ln\(2\) = (\d+\.\d+)".replace(" ", r"\s+"))
+
+
+def quoted(pattern) -> re.Match:
+    """The one place in README.md and docs/ where `pattern` occurs."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = [match for path in docs if path.exists() for match in pattern.finditer(path.read_text())]
+    assert len(found) == 1, f"{pattern.pattern!r} found {len(found)} times in README.md and docs/"
+    return found[0]
+
+
+def stale_figures(measured: dict, quotes: dict) -> list:
+    """The quoted figures that the measured values, rounded as quoted, do not reproduce."""
+    return [f"{key}: quoted {text}, measured {measured[key]:.6f}" for key, text in quotes.items()
+            if f"{measured[key]:.{len(text.split('.')[1])}f}" != text]
 
 
 def run_demo(tmp_path, **settings):
@@ -37,7 +57,7 @@ def tensorboard_scalars(directory, tag) -> list:
 @pytest.mark.slow
 def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     results = tmp_path / "results"
-    run = run_demo(tmp_path, MAX_STEPS="40")
+    run = run_demo(tmp_path)  # the README's command as it stands: 120 steps
 
     # The shards came out of the whole pipeline (WikiExtractor, sharding, create_pretraining_data).
     shards = sorted(results.rglob("books_wiki_en_corpus_training_*.hdf5"))
@@ -48,13 +68,19 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
                if line.startswith("DLLL ")]
     windows = [r["data"]["average_loss"] for r in records if r["type"] == "LOG" and "average_loss" in r["data"]]
     summary = [r["data"] for r in records if r["type"] == "LOG" and r["step"] == []][-1]
-    # Training learns: the loss starts near ln(30522) + ln(2) ~ 11 (MLM + NSP) and falls clearly.
-    assert windows[0] > 10.0
+    assert len(windows) == 12 and summary["global_step"] == 120
+    # The losses the documentation quotes are this run's (a stale figure fails here).
+    measured = {"first": windows[0], "last": windows[-1], "final": summary["final_loss"]}
+    assert stale_figures(measured, quoted(QUOTED_LOSSES).groupdict()) == []
+    # The loss of a uniform guess (MLM + next sentence), as the demo prints it and the documentation quotes it.
+    uniform = f"{math.log(30522) + math.log(2):.3f}"
+    assert UNIFORM_GUESS.search(run.stdout).group(1) == quoted(UNIFORM_GUESS).group(1) == uniform
+    # Training learns: the loss starts below that guess and falls clearly.
+    assert float(uniform) > windows[0] > 10.0
     assert windows[-1] < windows[0] - 1.0
-    assert summary["global_step"] == 40
     for key in ("e2e_train_time", "training_sequences_per_second", "raw_train_time", "final_loss"):
         assert key in summary
-    assert (results / "checkpoints" / "latest").read_text().strip() == "40"
+    assert (results / "checkpoints" / "latest").read_text().strip() == "120"
     assert "final_loss" in run.stdout
     # TensorBoard got the same windows as the dllogger JSON; the PNG was written.
     logged = [(r["step"][1], r["data"]["average_loss"]) for r in records if "average_loss" in r["data"]]
@@ -64,22 +90,23 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
 
     # RESUME=1 with a larger MAX_STEPS extends the run: the LR follows the new schedule (it was 0 past the
     # old end) and the dllogger JSON keeps the first run's records.
-    resumed = run_demo(tmp_path, RESUME="1", MAX_STEPS="50")
-    change = re.search(r"the LR schedule changed since the checkpoint \(--max_steps 40 -> 50\): from step 41 on, the LR "
-                       r"follows the new flags \(0 -> (\S+) at that step\)", resumed.stdout)
-    assert change and float(change.group(1)) == pytest.approx(0.02 * (1 - 41 / 50) / 0.9, rel=1e-3)  # PolyWarmUp
+    resumed = run_demo(tmp_path, RESUME="1", MAX_STEPS="130")
+    change = re.search(r"the LR schedule changed since the checkpoint \(--max_steps 120 -> 130\): from step 121 on, "
+                       r"the LR follows the new flags \(0 -> (\S+) at that step\)", resumed.stdout)
+    assert change, resumed.stdout[-3000:]
+    assert float(change.group(1)) == pytest.approx(0.02 * (1 - 121 / 130) / 0.9, rel=1e-3)  # PolyWarmUp
     steps = helpers.step_records(results / "dllogger.json")
-    assert [r["step"][1] for r in steps] == [10, 20, 30, 40, 50]
+    assert [r["step"][1] for r in steps] == list(range(10, 131, 10))
     assert steps[-1]["data"]["average_loss"] < windows[0]
-    assert (results / "checkpoints" / "latest").read_text().strip() == "50"
+    assert (results / "checkpoints" / "latest").read_text().strip() == "130"
 
-    # Phase 2 continues from phase 1's checkpoint 50 on the sample's 512/80 shards, in results/phase2.
+    # Phase 2 continues from phase 1's checkpoint 130 on the sample's 512/80 shards, in results/phase2.
     run_demo(tmp_path, PHASE="2", MAX_STEPS="10")
     assert all(read_shard_header(path)[1:] == (512, 80)
                for path in results.rglob("*seq_len_512*/books_wiki_en_corpus/*training*.hdf5"))
     phase2 = results / "phase2"
-    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "60"  # tags continue after phase 1's
-    assert (results / "checkpoints" / "latest").read_text().strip() == "50"  # phase 1 untouched
+    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "140"  # tags continue after phase 1's
+    assert (results / "checkpoints" / "latest").read_text().strip() == "130"  # phase 1 untouched
     steps = helpers.step_records(phase2 / "dllogger.json")
     assert [r["step"][1] for r in steps] == [10]
     assert math.isfinite(steps[0]["data"]["average_loss"]) and steps[0]["data"]["average_loss"] < windows[0]
