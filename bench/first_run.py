@@ -60,6 +60,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--use_hpu", action="store_true", help="Run on a Gaudi (as run_pretraining.py).")
     parser.add_argument("--no_cuda", action="store_true", help="Run on the CPU even if CUDA is available.")
     parser.add_argument("--tiny", action="store_true", help="The tiny config only (CI, on the CPU).")
+    parser.add_argument("--modes", default="eager,compile", help="eager, compile or both (compile only where the "
+                        "driver has --enable_torch_compile).")
     parser.add_argument("--steps", type=int, default=5, help="Optimizer steps per run (at least 2).")
     parser.add_argument("--work_dir", default=None, help="Sample data and run outputs (default: a temporary "
                         "directory, removed at the end).")
@@ -136,7 +138,8 @@ def main(argv=None) -> int:
     device_type = "hpu" if args.use_hpu else "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
     kind = "tiny" if args.tiny else "cpu" if device_type == "cpu" else "accelerator"
     runs = TINY_RUNS if args.tiny else FULL_RUNS
-    modes = ["eager"] + ["compile"] * driver_accepts("--enable_torch_compile")
+    wanted = args.modes.split(",")
+    modes = ["eager"] * ("eager" in wanted) + ["compile"] * ("compile" in wanted and driver_accepts("--enable_torch_compile"))
     with tempfile.TemporaryDirectory() as scratch:
         work_dir = Path(args.work_dir or scratch)
         print(f"== building the sample data in {work_dir / 'data'}")
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
             for mode in modes:
                 print(f"== {name}, micro-batch {micro}, {mode} mode, {args.steps} steps on {device_type}")
                 results.append((name, mode, run_once(args, work_dir, data_dir, name, config, micro, mode, device_type)))
-    if len(modes) == 1:
+    if "compile" in wanted and "compile" not in modes:
         print("compile mode: not run (this driver has no --enable_torch_compile)")
     print(f"== verdicts ({device_type}; figures: median of steps 2 to {args.steps})")
     ok = True
