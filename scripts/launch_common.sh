@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Shared by the scripts/run_bert_*.sh launchers (source it; it defines functions and defaults only).
+# Shared by the scripts/run_bert_*.sh, run_squad.sh and run_glue.sh launchers (source it; it defines
+# functions and defaults only).
 #
 # Every path and count can be overridden from the environment with the reference's HL_* variables:
 #   HL_DATA_DIR_ROOT     root of the HDF5 datasets        (default /data/pytorch/bert/pretraining)
@@ -152,17 +153,17 @@ find_launcher_and_python() {
     PYTHON="$(command -v python)" || die "python is not on PATH (activate the virtual environment)"
 }
 
-# Several servers: the hostfile, the master address (its first host) and port, and the job's hosts (the first
-# NUM_NODES host lines, as `deepspeed --num_nodes` takes them).
-multinode_args() {
-    MULTINODE_ARGS=()
+# The rendezvous: the master port, and with several servers the hostfile, the master address (its first host)
+# and the job's hosts (the first NUM_NODES host lines, as `deepspeed --num_nodes` takes them).
+rendezvous_args() {
     JOB_HOSTS=""
     MASTER_PORT="${HL_MASTER_PORT:-29500}"
+    RENDEZVOUS_ARGS=(--master_port "$MASTER_PORT")
     if [[ "$NUM_NODES" != 1 ]]; then
         [[ -f "$HOSTSFILE" ]] || die "$NUM_NODES nodes need a hostfile; $HOSTSFILE does not exist (set HL_HOSTSFILE)"
         JOB_HOSTS="$(grep -v '^[[:space:]]*\(#\|$\)' "$HOSTSFILE" | head -n "$NUM_NODES" | awk '{print $1}' | paste -sd, -)"
         [[ -n "$JOB_HOSTS" ]] || die "$HOSTSFILE names no host"
-        MULTINODE_ARGS=(--hostfile="$HOSTSFILE" --master_addr "${JOB_HOSTS%%,*}" --master_port "$MASTER_PORT")
+        RENDEZVOUS_ARGS=(--hostfile="$HOSTSFILE" --master_addr "${JOB_HOSTS%%,*}" --master_port "$MASTER_PORT")
     fi
 }
 
@@ -173,26 +174,56 @@ run_preflight() {
         --num_nodes "$NUM_NODES" --ngpu_per_node "$NGPU_PER_NODE" --hostfile "$HOSTSFILE" || exit 1
 }
 
-# One node: deepspeed --num_nodes 1 --num_gpus 8 --no_local_rank --no_python [env VAR=value...] /abs/python -u run_pretraining.py ...
-# Several: supervisor.py runs each attempt with --num_nodes, --hostfile, --master_addr and --master_port
-# after `deepspeed`, prints its command, passes SIGTERM/SIGINT on, and restarts on the hosts that remain.
+# One node: launch_ranks. Several: supervisor.py runs each attempt with --num_nodes, --hostfile, --master_addr
+# and --master_port after `deepspeed`, prints its command, passes SIGTERM/SIGINT on, and restarts on the hosts
+# that remain.
 launch_pretraining() {
     resolve_settings
     pretraining_args
-    multinode_args
+    rendezvous_args
     run_preflight
-    mkdir -p "$RESULTS_DIR"
-    cd "$REPO_ROOT"
-    local command=(deepspeed --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
-                   "${RANK_ENV[@]}" "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@")
     if [[ "$NUM_NODES" != 1 ]]; then
+        mkdir -p "$RESULTS_DIR"
+        cd "$REPO_ROOT"
         exec "$PYTHON" "$REPO_ROOT/supervisor.py" --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
             --ngpu_per_node "$NGPU_PER_NODE" --master_port "$MASTER_PORT" --deepspeed_config "$DS_CONFIG" \
             --data_dir "$DATA_DIR" --json_summary "$JSON_SUMMARY" --max_restarts "${HL_MAX_RESTARTS:-3}" \
             --restart_window_s "${HL_RESTART_WINDOW_S:-21600}" --min_hosts "${HL_MIN_HOSTS:-$(( (NUM_NODES + 1) / 2 ))}" \
-            -- "${command[@]}"
+            -- deepspeed --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python \
+            "${RANK_ENV[@]}" "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@"
     fi
-    command=(deepspeed --num_nodes 1 "${command[@]:1}")
+    launch_ranks ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@"
+}
+
+# The fine-tuning launchers' settings (set DEFAULT_RESULTS_DIR and DEFAULT_DS_CONFIG first; an empty one: the
+# entry point's own DeepSpeed settings) and their checks of INIT_CHECKPOINT and the DeepSpeed JSON.
+finetuning_settings() {
+    RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
+    DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
+    NUM_NODES="${HL_NUM_NODES:-1}"
+    NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
+    HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
+    [[ -n "${INIT_CHECKPOINT:-}" ]] || die "set INIT_CHECKPOINT to the pretrained weights (a run_pretraining.py output directory, an export file or a Hugging Face directory)"
+    [[ -e "$INIT_CHECKPOINT" ]] || die "INIT_CHECKPOINT $INIT_CHECKPOINT does not exist"
+    [[ -z "$DS_CONFIG" || -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
+}
+
+# launch_finetuning ./run_x.py ARGS...: the ranks run the script with HL_DEVICE's flags, then ARGS.
+launch_finetuning() {
+    local script="$1"
+    shift
+    find_launcher_and_python
+    device_args
+    rendezvous_args
+    launch_ranks "$script" "${DEVICE_ARGS[@]}" "$@"
+}
+
+# deepspeed --num_nodes N --num_gpus G --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...
+launch_ranks() {
+    mkdir -p "$RESULTS_DIR"
+    cd "$REPO_ROOT"
+    local command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
+                   "${RENDEZVOUS_ARGS[@]}" "${RANK_ENV[@]}" "$PYTHON" -u "$@")
     echo "${command[*]}"
     run_forwarding_signals "${command[@]}"
 }

@@ -11,44 +11,30 @@
 # file or a Hugging Face BERT directory), SQUAD_VERSION (v1.1 | v2.0), SQUAD_DIR (data/squad/$SQUAD_VERSION),
 # VOCAB_FILE (data/vocab.txt), TRAIN_BATCH_SIZE (32), LEARNING_RATE (4.6e-5), EPOCHS (2), and as for the
 # pretraining launchers HL_RESULTS_DIR (results/squad_$SQUAD_VERSION), HL_DS_CONFIG, HL_NUM_NODES (1),
-# HL_NGPU_PER_NODE (8), HL_HOSTSFILE and HL_DEVICE (hpu | cuda | cpu). SIGTERM/Ctrl-C: the ranks save a
-# checkpoint in $HL_RESULTS_DIR/checkpoints; run again with --resume_from_checkpoint to continue.
+# HL_NGPU_PER_NODE (8), HL_HOSTSFILE, HL_MASTER_PORT (29500) and HL_DEVICE (hpu | cuda | cpu). SIGTERM/Ctrl-C:
+# the ranks save a checkpoint in $HL_RESULTS_DIR/checkpoints; run again with --resume_from_checkpoint to continue.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
 SQUAD_VERSION="${SQUAD_VERSION:-v1.1}"
 SQUAD_DIR="${SQUAD_DIR:-$REPO_ROOT/data/squad/$SQUAD_VERSION}"
 VOCAB_FILE="${VOCAB_FILE:-$REPO_ROOT/data/vocab.txt}"
-RESULTS_DIR="${HL_RESULTS_DIR:-$REPO_ROOT/results/squad_$SQUAD_VERSION}"
-DS_CONFIG="${HL_DS_CONFIG:-$REPO_ROOT/scripts/deepspeed_config_squad.json}"
-NUM_NODES="${HL_NUM_NODES:-1}"
-NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
-HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
+DEFAULT_RESULTS_DIR="$REPO_ROOT/results/squad_$SQUAD_VERSION"
+DEFAULT_DS_CONFIG="$REPO_ROOT/scripts/deepspeed_config_squad.json"
 
 case "$SQUAD_VERSION" in
     v1.1) version_args=() ;;
     v2.0) version_args=(--version_2_with_negative) ;;
     *) die "SQUAD_VERSION must be v1.1 or v2.0, not '$SQUAD_VERSION'" ;;
 esac
-[[ -n "${INIT_CHECKPOINT:-}" ]] || die "set INIT_CHECKPOINT to the pretrained weights (a run_pretraining.py output directory, an export file or a Hugging Face directory)"
-[[ -e "$INIT_CHECKPOINT" ]] || die "INIT_CHECKPOINT $INIT_CHECKPOINT does not exist"
+finetuning_settings
 for split in train dev; do
     [[ -f "$SQUAD_DIR/$split-$SQUAD_VERSION.json" ]] || die "$SQUAD_DIR/$split-$SQUAD_VERSION.json does not exist (python data/squad_download.py fetches it; set SQUAD_DIR for another place)"
 done
-[[ -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
-find_launcher_and_python
-device_args
-multinode_args
 
-mkdir -p "$RESULTS_DIR"
-cd "$REPO_ROOT"
-command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
-         "${MULTINODE_ARGS[@]}" "$PYTHON" -u ./run_squad.py "${DEVICE_ARGS[@]}" --disable-progress-bar
-         --init_checkpoint "$INIT_CHECKPOINT" --vocab_file "$VOCAB_FILE" --do_lower_case
-         --train_file "$SQUAD_DIR/train-$SQUAD_VERSION.json" --predict_file "$SQUAD_DIR/dev-$SQUAD_VERSION.json"
-         --do_train --do_predict --do_eval "${version_args[@]}" --output_dir "$RESULTS_DIR"
-         --json-summary "$RESULTS_DIR/dllogger.json" --train_batch_size "${TRAIN_BATCH_SIZE:-32}"
-         --learning_rate "${LEARNING_RATE:-4.6e-5}" --num_train_epochs "${EPOCHS:-2}" --warmup_proportion 0.2
-         --max_seq_length 384 --doc_stride 128 --seed 1 --deepspeed --deepspeed_config "$DS_CONFIG" "$@")
-echo "${command[*]}"
-run_forwarding_signals "${command[@]}"
+launch_finetuning ./run_squad.py --disable-progress-bar --init_checkpoint "$INIT_CHECKPOINT" --vocab_file "$VOCAB_FILE" \
+    --do_lower_case --train_file "$SQUAD_DIR/train-$SQUAD_VERSION.json" --predict_file "$SQUAD_DIR/dev-$SQUAD_VERSION.json" \
+    --do_train --do_predict --do_eval "${version_args[@]}" --output_dir "$RESULTS_DIR" \
+    --json-summary "$RESULTS_DIR/dllogger.json" --train_batch_size "${TRAIN_BATCH_SIZE:-32}" \
+    --learning_rate "${LEARNING_RATE:-4.6e-5}" --num_train_epochs "${EPOCHS:-2}" --warmup_proportion 0.2 \
+    --max_seq_length 384 --doc_stride 128 --seed 1 --deepspeed --deepspeed_config "$DS_CONFIG" "$@"

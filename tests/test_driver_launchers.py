@@ -263,10 +263,12 @@ def ready_to_launch(script, env, tmp_path) -> dict:
         for split in ("train", "dev"):
             (squad_dir / f"{split}-v1.1.json").write_text('{"version": "1.1", "data": []}')
         return dict(env, INIT_CHECKPOINT=str(tmp_path), SQUAD_DIR=str(squad_dir))
+    if script == "run_glue.sh":
+        return dict(env, INIT_CHECKPOINT=str(tmp_path), DATA_DIR=str(tmp_path))
     return env
 
 
-DEVICE_CHECKED = ["run_bert_1.5b_8x.sh", "run_squad.sh"]
+DEVICE_CHECKED = ["run_bert_1.5b_8x.sh", "run_squad.sh", "run_glue.sh"]
 
 
 @pytest.mark.parametrize("script", DEVICE_CHECKED)
@@ -298,3 +300,47 @@ def test_the_devices_this_machine_has_are_launched(stub_launcher, script):
         assert launch(script, ready_to_launch(script, dict(env, **device_env), tmp_path)).returncode == 0
         args = (tmp_path / "args").read_text().splitlines()
         assert args[args.index("--num_gpus") + 1] == "8" and flag in args
+
+
+def test_glue_launcher_command_line(stub_launcher):
+    env, tmp_path = stub_launcher
+    env = ready_to_launch("run_glue.sh", dict(env, HL_DEVICE="cpu", HL_NGPU_PER_NODE="2", TASK_NAME="mrpc"), tmp_path)
+    result = launch("run_glue.sh", env)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:10] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python", "--master_port",
+                         "29500", str(helpers.VENV_BIN / "python"), "-u"]
+    program = args[10:]
+    assert program[:2] == ["./run_glue.py", "--no_cuda"]
+    for flag, value in (("--task_name", "mrpc"), ("--data_dir", str(tmp_path)), ("--init_checkpoint", str(tmp_path)),
+                        ("--output_dir", str(tmp_path / "results"))):
+        assert program[program.index(flag) + 1] == value
+    assert "--deepspeed" not in program  # no HL_DS_CONFIG: run_glue.py's fp32 ZeRO-0
+    from run_glue import build_parser
+    known = {option for action in build_parser()._actions for option in action.option_strings}
+    assert {arg for arg in program if arg.startswith("--")} <= known
+
+
+def test_glue_launcher_takes_its_earlier_variable_names(stub_launcher):
+    env, tmp_path = stub_launcher
+    (tmp_path / "ds.json").write_text("{}")
+    env.pop("HL_RESULTS_DIR")
+    env = ready_to_launch("run_glue.sh", dict(env, DEVICE="cpu", NUM_DEVICES="3", OUTPUT_DIR=str(tmp_path / "out"),
+                                              DEEPSPEED_CONFIG=str(tmp_path / "ds.json"), MASTER_PORT="29555"), tmp_path)
+    assert launch("run_glue.sh", env).returncode == 0
+    args = (tmp_path / "args").read_text().splitlines()
+    for flag, value in (("--num_gpus", "3"), ("--master_port", "29555"), ("--output_dir", str(tmp_path / "out")),
+                        ("--deepspeed_config", str(tmp_path / "ds.json"))):
+        assert args[args.index(flag) + 1] == value
+    assert "--no_cuda" in args
+
+
+def test_glue_launcher_runs_on_several_servers_and_forwards_sigterm_to_the_ranks(stub_launcher):
+    env, tmp_path = stub_launcher
+    env = ready_to_launch("run_glue.sh", dict(env, HL_DEVICE="cpu"), tmp_path)
+    assert launch("run_glue.sh", dict(env, HL_NUM_NODES="2")).returncode == 0
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[6:11] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101", "--master_port",
+                          "29500"]
+    assert sigterm_once_started("run_glue.sh", env, tmp_path, "ranks") == 0
+    assert (tmp_path / "rank_signalled").exists() and not (tmp_path / "launch_signalled").exists()

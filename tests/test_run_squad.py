@@ -146,15 +146,15 @@ def test_launcher_command_line(tmp_path):
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
     # the ranks run the launcher's python by its absolute path (ssh's PATH on another server differs)
-    assert args[:7] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python",
-                        str(helpers.VENV_BIN / "python")]
-    assert args[8] == "./run_squad.py" and "--no_cuda" in args and "--version_2_with_negative" in args
+    assert args[:9] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python", "--master_port",
+                        "29500", str(helpers.VENV_BIN / "python")]
+    assert args[10] == "./run_squad.py" and "--no_cuda" in args and "--version_2_with_negative" in args
     assert args[args.index("--train_file") + 1] == str(squad_dir / "train-v2.0.json")
     assert args[args.index("--init_checkpoint") + 1] == str(checkpoint)
     assert args[-2:] == ["--max_steps", "5"]  # extra arguments are passed on
     # every flag the launcher passes is one run_squad.py knows
     known = {option for action in run_squad.build_parser()._actions for option in action.option_strings}
-    assert {arg for arg in args[9:] if arg.startswith("--")} - {"--deepspeed", "--deepspeed_config"} <= known
+    assert {arg for arg in args[11:] if arg.startswith("--")} - {"--deepspeed", "--deepspeed_config"} <= known
 
 
 @pytest.mark.parametrize("env, message", [
