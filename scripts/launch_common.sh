@@ -119,18 +119,23 @@ pretraining_args() {
     )
 }
 
+# Every launcher's HL_* overrides against its DEFAULT_* values (DEFAULT_NUM_NODES: 1 when unset).
+common_settings() {
+    RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
+    DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
+    NUM_NODES="${HL_NUM_NODES:-${DEFAULT_NUM_NODES:-1}}"
+    NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
+    HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
+}
+
 # Resolve the HL_* overrides against the launcher's defaults (set before calling this).
 resolve_settings() {
     local dataset="$PHASE1_DATASET"
     [[ "$PHASE" == 2 ]] && dataset="$PHASE2_DATASET"
     DATA_DIR="${HL_DATA_DIR:-${HL_DATA_DIR_ROOT:-/data/pytorch/bert/pretraining}/$dataset}"
     MODEL_CONFIG="${HL_MODEL_CONFIG:-$DEFAULT_MODEL_CONFIG}"
-    DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
-    RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
+    common_settings
     CHECKPOINTS_DIR="${HL_CHECKPOINTS_DIR:-$RESULTS_DIR/checkpoints}"
-    NUM_NODES="${HL_NUM_NODES:-$DEFAULT_NUM_NODES}"
-    NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
-    HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
     MAX_STEPS="${HL_MAX_STEPS:-$DEFAULT_MAX_STEPS}"
     RUN_STEPS="${HL_RUN_STEPS:--1}"
     NUM_STEPS_PER_CP="${HL_NUM_STEPS_PER_CP:-$DEFAULT_NUM_STEPS_PER_CP}"
@@ -198,11 +203,7 @@ launch_pretraining() {
 # The fine-tuning launchers' settings (set DEFAULT_RESULTS_DIR and DEFAULT_DS_CONFIG first; an empty one: the
 # entry point's own DeepSpeed settings) and their checks of INIT_CHECKPOINT and the DeepSpeed JSON.
 finetuning_settings() {
-    RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
-    DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
-    NUM_NODES="${HL_NUM_NODES:-1}"
-    NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
-    HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
+    common_settings
     [[ -n "${INIT_CHECKPOINT:-}" ]] || die "set INIT_CHECKPOINT to the pretrained weights (a run_pretraining.py output directory, an export file or a Hugging Face directory)"
     [[ -e "$INIT_CHECKPOINT" ]] || die "INIT_CHECKPOINT $INIT_CHECKPOINT does not exist"
     [[ -z "$DS_CONFIG" || -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"
