@@ -216,7 +216,25 @@ launch_finetuning() {
     find_launcher_and_python
     device_args
     rendezvous_args
-    launch_ranks "$script" "${DEVICE_ARGS[@]}" "$@"
+    check_finetuning_resume
+    launch_ranks "$script" "${DEVICE_ARGS[@]}" "$@" --resume_from_checkpoint
+}
+
+# Every launcher resumes when its checkpoints directory holds checkpoints, and starts afresh otherwise. A
+# fine-tuning run continues after a stop, and evaluates again after a finished run. Checkpoints fine-tuned
+# from other weights (RESULTS_DIR/init_checkpoint names them) stop the launch: resuming them would report
+# their result as this INIT_CHECKPOINT's.
+check_finetuning_resume() {
+    local checkpoints="$RESULTS_DIR/checkpoints" record="$RESULTS_DIR/init_checkpoint" init
+    init="$(realpath -m "$INIT_CHECKPOINT")"
+    if [[ -n "$(ls -A "$checkpoints" 2> /dev/null)" ]]; then
+        if [[ -f "$record" && "$(cat "$record")" != "$init" ]]; then
+            die "$checkpoints holds a fine-tuning of $(cat "$record"), not of INIT_CHECKPOINT $init: set HL_RESULTS_DIR to a new directory (or remove that one)"
+        fi
+        echo "== resuming from $checkpoints (a new HL_RESULTS_DIR starts afresh)"
+    fi
+    mkdir -p "$RESULTS_DIR"
+    echo "$init" > "$record"
 }
 
 # deepspeed --num_nodes N --num_gpus G --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...

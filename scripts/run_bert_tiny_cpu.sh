@@ -13,9 +13,9 @@
 # Phase 1 writes to $RESULTS_DIR; phase 2 to $RESULTS_DIR/phase2, starting from a copy of phase 1's last
 # checkpoint (optimizer moments kept, step counter and LR schedule restarted), so phase 1's outputs stay.
 # Environment: RESULTS_DIR (default results/bert_tiny), PHASE (1), MAX_STEPS (120 in phase 1, 40 in
-# phase 2), LEARNING_RATE (0.02), MASTER_PORT (29500), RESUME=1 to continue the phase from its last
-# checkpoint (its dllogger JSON is appended to; a larger MAX_STEPS extends the run). Without RESUME, the
-# phase's previous checkpoints/ and dllogger.json are removed first, with a message.
+# phase 2), LEARNING_RATE (0.02), MASTER_PORT (29500). As every launcher, a re-run continues the phase from
+# its last checkpoint (its dllogger JSON is appended to; a larger MAX_STEPS extends the run); another
+# RESULTS_DIR, or removing the phase's checkpoints/, starts afresh.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
@@ -42,14 +42,9 @@ echo "== building the phase-$PHASE sample dataset in $DATA_WORK_DIR (reused when
 BERT_PREP_WORKING_DIR="$DATA_WORK_DIR" PHASES="$PHASE" PYTHON=python bash data/create_datasets_from_start.sh sample
 
 run_args=(--resume_from_checkpoint)
-if [[ "${RESUME:-0}" == 1 ]]; then
-    echo "== resuming phase $PHASE from $CHECKPOINTS_DIR (appending to $JSON_SUMMARY)"
+if [[ -f "$CHECKPOINTS_DIR/latest" ]]; then
+    echo "== resuming phase $PHASE from its checkpoint $(cat "$CHECKPOINTS_DIR/latest") in $CHECKPOINTS_DIR (appending to $JSON_SUMMARY; another RESULTS_DIR starts afresh)"
 else
-    if [[ -e "$CHECKPOINTS_DIR" || -e "$JSON_SUMMARY" ]]; then
-        # Only the phase's own outputs; the dataset in $DATA_WORK_DIR is kept and reused.
-        echo "== removing the previous phase-$PHASE demo run in $run_dir (checkpoints/, dllogger.json; RESUME=1 continues it instead)"
-        rm -rf "$CHECKPOINTS_DIR" "$JSON_SUMMARY"
-    fi
     if [[ "$PHASE" == 1 ]]; then
         run_args=()
     else
@@ -65,7 +60,7 @@ else
     fi
 fi
 if [[ "$PHASE" == 2 ]]; then
-    [[ -f "$PHASE1_END_STEP_FILE" ]] || { echo "error: no phase 2 to resume in $run_dir: start it with PHASE=2 (without RESUME)" >&2; exit 1; }
+    [[ -f "$PHASE1_END_STEP_FILE" ]] || { echo "error: $CHECKPOINTS_DIR holds checkpoints but $PHASE1_END_STEP_FILE is missing: remove $CHECKPOINTS_DIR to start phase 2 afresh" >&2; exit 1; }
     run_args+=(--phase2 --phase1_end_step "$(cat "$PHASE1_END_STEP_FILE")")
 fi
 

@@ -14,6 +14,7 @@
 #   VOCAB_FILE [data/vocab.txt]  TRAIN_BATCH_SIZE [32]  LEARNING_RATE [2e-5]  EPOCHS [3]  MAX_SEQ_LENGTH [128]  SEED [2]
 #   and as for the pretraining launchers: HL_RESULTS_DIR [results/glue/$TASK_NAME], HL_DS_CONFIG [none: fp32,
 #   ZeRO-0], HL_NUM_NODES [1], HL_NGPU_PER_NODE [8], HL_HOSTSFILE, HL_MASTER_PORT [29500], HL_DEVICE hpu|cuda|cpu [hpu].
+# A re-run continues from $HL_RESULTS_DIR/checkpoints (launch_common.sh, check_finetuning_resume).
 # The earlier names OUTPUT_DIR, DEEPSPEED_CONFIG, NUM_DEVICES, DEVICE and MASTER_PORT still work (the HL_ name wins).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"

@@ -12,7 +12,7 @@
 # VOCAB_FILE (data/vocab.txt), TRAIN_BATCH_SIZE (32), LEARNING_RATE (4.6e-5), EPOCHS (2), and as for the
 # pretraining launchers HL_RESULTS_DIR (results/squad_$SQUAD_VERSION), HL_DS_CONFIG, HL_NUM_NODES (1),
 # HL_NGPU_PER_NODE (8), HL_HOSTSFILE, HL_MASTER_PORT (29500) and HL_DEVICE (hpu | cuda | cpu). SIGTERM/Ctrl-C:
-# the ranks save a checkpoint in $HL_RESULTS_DIR/checkpoints; run again with --resume_from_checkpoint to continue.
+# the ranks save a checkpoint in $HL_RESULTS_DIR/checkpoints; the same command continues from it.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 

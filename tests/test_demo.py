@@ -88,9 +88,9 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
                                                                                 "Train/average_loss")] == logged
     assert (results / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
-    # RESUME=1 with a larger MAX_STEPS extends the run: the LR follows the new schedule (it was 0 past the
-    # old end) and the dllogger JSON keeps the first run's records.
-    resumed = run_demo(tmp_path, RESUME="1", MAX_STEPS="130")
+    # A re-run resumes (as every launcher does); a larger MAX_STEPS extends the run: the LR follows the new
+    # schedule (it was 0 past the old end) and the dllogger JSON keeps the first run's records.
+    resumed = run_demo(tmp_path, MAX_STEPS="130")
     change = re.search(r"the LR schedule changed since the checkpoint \(--max_steps 120 -> 130\): from step 121 on, "
                        r"the LR follows the new flags \(0 -> (\S+) at that step\)", resumed.stdout)
     assert change, resumed.stdout[-3000:]

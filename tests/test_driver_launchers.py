@@ -344,3 +344,27 @@ def test_glue_launcher_runs_on_several_servers_and_forwards_sigterm_to_the_ranks
                           "29500"]
     assert sigterm_once_started("run_glue.sh", env, tmp_path, "ranks") == 0
     assert (tmp_path / "rank_signalled").exists() and not (tmp_path / "launch_signalled").exists()
+
+
+@pytest.mark.parametrize("script", ["run_glue.sh", "run_squad.sh"])
+def test_fine_tuning_launchers_resume_and_refuse_checkpoints_of_other_weights(stub_launcher, script):
+    """One behaviour for every launcher: resume when the results directory holds checkpoints. Formerly a
+    re-run of run_glue.sh stopped in every rank with '... holds checkpoints: pass --resume_from_checkpoint',
+    buried among the DeepSpeed launcher's lines."""
+    env, tmp_path = stub_launcher
+    env = ready_to_launch(script, dict(env, HL_DEVICE="cpu"), tmp_path)
+    first = launch(script, env)
+    assert first.returncode == 0 and "== resuming" not in first.stdout
+    assert "--resume_from_checkpoint" in (tmp_path / "args").read_text().splitlines()  # none yet: starts afresh
+    (tmp_path / "results" / "checkpoints" / "12").mkdir(parents=True)  # as a stopped run leaves them
+    again = launch(script, env)
+    assert again.returncode == 0
+    assert f"== resuming from {tmp_path / 'results' / 'checkpoints'}" in again.stdout.splitlines()[0]
+    (tmp_path / "args").unlink()
+    other = tmp_path / "other_weights"
+    other.mkdir()
+    refused = launch(script, dict(env, INIT_CHECKPOINT=str(other)))
+    assert (refused.returncode, refused.stdout) == (1, "")
+    assert refused.stderr == (f"error: {tmp_path / 'results' / 'checkpoints'} holds a fine-tuning of {tmp_path}, not of "
+                              f"INIT_CHECKPOINT {other}: set HL_RESULTS_DIR to a new directory (or remove that one)\n")
+    assert not (tmp_path / "args").exists()
