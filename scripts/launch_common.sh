@@ -217,7 +217,7 @@ launch_finetuning() {
     device_args
     rendezvous_args
     check_finetuning_resume
-    launch_ranks "$script" "${DEVICE_ARGS[@]}" "$@" --resume_from_checkpoint
+    launch_ranks "$script" "${DEVICE_ARGS[@]}" --resume_from_checkpoint "$@"
 }
 
 # Every launcher resumes when its checkpoints directory holds checkpoints, and starts afresh otherwise. A
