@@ -123,11 +123,19 @@ def init_single_process_group():
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-def launcher_env(**extra) -> dict:
-    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))
+def environ_without_rank() -> dict:
+    """os.environ less the rank variables that init_single_process_group leaves behind in this process: a
+    child would otherwise inherit its MASTER_PORT, which this process's process group still holds."""
+    env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
-        env.pop(key, None)  # left over from in-process runs of the test session
+        env.pop(key, None)
+    return env
+
+
+def launcher_env(**extra) -> dict:
+    env = environ_without_rank()
+    env.update(PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))
     env.update(extra)
     return env
 

@@ -18,6 +18,7 @@ import h5py
 import pytest
 import torch
 
+import gaudi
 import helpers
 import run_pretraining as rp
 import runtime
@@ -705,7 +706,7 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, monkeypa
     monkeypatch.setattr(rp, "dist", SimpleNamespace(all_reduce=all_reduce_with_a_second_rank))
     criterion = RecordingCriterion()
     run = SimpleNamespace(engine=engine, optimizer=optimizer, criterion=criterion, device=torch.device("cpu"),
-                          gas=2, world=2, say=print)
+                          gas=2, world=2, say=print, graph_breaks=gaudi.NoGraphBreaks())
     before = [p.detach().clone() for p in engine.module.parameters()]
     try:
         result = rp.train_step(run, batches, SimpleNamespace(is_set=lambda: False), None)

@@ -35,7 +35,7 @@ def stub_launcher(tmp_path):
     pdsh.chmod(0o755)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
+    env = dict(helpers.environ_without_rank(), PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
                HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
                # the launchers check that HL_DEVICE's devices exist: the stand-in bridge reports STUB_HPU_COUNT (8) Gaudis
                PYTHONPATH=os.pathsep.join([str(helpers.FAKE_HABANA), os.environ.get("PYTHONPATH", "")]))
