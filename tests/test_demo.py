@@ -15,19 +15,42 @@ import helpers
 from data.shard_format import read_shard_header
 
 REPO = Path(__file__).resolve().parent.parent
-# The documentation's sentence on the demo's losses (default 120 steps, logged every 10).
-QUOTED_LOSSES = re.compile(r"loss falls from (?P<first>\d+\.\d+) \(mean of steps 1–10\) to (?P<last>\d+\.\d+) "
-                           r"\(mean of steps 111–120\); `final_loss`, the mean over both ranks, is (?P<final>\d+\.\d+)"
-                           .replace(" ", r"\s+"))  # wherever the lines wrap
-UNIFORM_GUESS = re.compile(r"ln\(30522\) \+ ln\(2\) = (\d+\.\d+)".replace(" ", r"\s+"))
+RESULTS = REPO / "docs" / "results.md"
+# The rows of the results file that quote the demo's losses (default 120 steps, logged every 10).
+QUOTED_ROWS = {"first": "demo loss, mean of steps 1–10", "last": "demo loss, mean of steps 111–120",
+               "final": "demo `final_loss`, mean over both ranks"}
+UNIFORM_GUESS = re.compile(r"ln\(30522\) \+ ln\(2\) = (\d+\.\d+)")
 
 
-def quoted(pattern) -> re.Match:
-    """The one place in README.md and docs/ where `pattern` occurs."""
-    docs = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-    found = [match for path in docs if path.exists() for match in pattern.finditer(path.read_text())]
-    assert len(found) == 1, f"{pattern.pattern!r} found {len(found)} times in README.md and docs/"
-    return found[0]
+def quoted_figures(text: str) -> dict:
+    """The demo's quoted losses: the value cell of each row of QUOTED_ROWS, which must occur exactly once."""
+    figures = {}
+    for key, label in QUOTED_ROWS.items():
+        rows = [line for line in text.splitlines() if line.startswith(f"| {label} |")]
+        assert len(rows) == 1, f"{RESULTS}: {len(rows)} rows '{label}'"
+        figures[key] = rows[0].split("|")[2].strip()
+        assert re.fullmatch(r"\d+\.\d+", figures[key]), rows[0]
+    return figures
+
+
+def quoted_uniform_guess(text: str) -> str:
+    (value,) = UNIFORM_GUESS.findall(text)
+    return value
+
+
+def test_results_file_quotes_the_demo_figures():
+    """The parsing the slow test relies on finds the figures in the results file."""
+    text = RESULTS.read_text()
+    assert set(quoted_figures(text)) == {"first", "last", "final"}
+    assert quoted_uniform_guess(text) == f"{math.log(30522) + math.log(2):.3f}"
+    figures = quoted_figures(text)
+    assert stale_figures({key: float(value) for key, value in figures.items()}, figures) == []
+    assert len(stale_figures({key: float(value) + 0.001 for key, value in figures.items()}, figures)) == 3
+    # Negative control: a second row with the same label, or a value that is not a figure, is refused.
+    row = next(line for line in text.splitlines() if line.startswith(f"| {QUOTED_ROWS['last']} |"))
+    for broken in (text + row + "\n", text.replace(row, row.replace("7.", "seven ", 1))):
+        with pytest.raises(AssertionError):
+            quoted_figures(broken)
 
 
 def stale_figures(measured: dict, quotes: dict) -> list:
@@ -71,10 +94,10 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     assert len(windows) == 12 and summary["global_step"] == 120
     # The losses the documentation quotes are this run's (a stale figure fails here).
     measured = {"first": windows[0], "last": windows[-1], "final": summary["final_loss"]}
-    assert stale_figures(measured, quoted(QUOTED_LOSSES).groupdict()) == []
+    assert stale_figures(measured, quoted_figures(RESULTS.read_text())) == []
     # The loss of a uniform guess (MLM + next sentence), as the demo prints it and the documentation quotes it.
     uniform = f"{math.log(30522) + math.log(2):.3f}"
-    assert UNIFORM_GUESS.search(run.stdout).group(1) == quoted(UNIFORM_GUESS).group(1) == uniform
+    assert UNIFORM_GUESS.search(run.stdout).group(1) == quoted_uniform_guess(RESULTS.read_text()) == uniform
     # Training learns: the loss starts below that guess and falls clearly.
     assert float(uniform) > windows[0] > 10.0
     assert windows[-1] < windows[0] - 1.0
