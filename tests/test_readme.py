@@ -191,6 +191,15 @@ def test_every_named_script_exists():
     assert not problems, "\n".join(problems)
 
 
+def test_map_of_the_tree_names_paths_from_the_root():
+    """The README's map says where things are: each path in its tables' first column, as written, exists."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Map of the tree"):]
+    section = section[:section.index("\n## ")]
+    paths = [path for row in re.findall(r"^\| (.*?) \|", section, re.MULTILINE) for path in CODE_SPAN.findall(row)]
+    assert len(paths) > 20 and not [path for path in paths if not (REPO / path).exists()]
+
+
 def test_launcher_variables_in_the_texts_are_read_by_a_launcher():
     launchers = "".join(path.read_text() for path in (REPO / "scripts").glob("*.sh"))
     named = {variable for path in documents() for variable in HL_VARIABLE.findall(path.read_text())}
