@@ -59,7 +59,7 @@ from typing import NamedTuple
 import torch
 
 # Values per piece of the chunked sweeps (see "Speed" above): 1 MiB of float32, so that a piece's inputs
-# and temporaries fit in the cache (128 Ki to 512 Ki values measured alike; README, Performance).
+# and temporaries fit in the cache (128 Ki to 512 Ki values measured alike).
 CHUNK_ELEMENTS = 1 << 18
 
 

@@ -8,7 +8,7 @@ Launch through the DeepSpeed launcher (scripts/run_bert_*.sh), e.g. for 2 CPU ra
         --deepspeed_config scripts/deepspeed_config_bert_tiny_cpu.json
 
 or as one process with `python run_pretraining.py ...`. Flags follow the Habana reference (same names and
-defaults); the README lists where the behaviour differs. `main(argv)` returns the run summary as a dict,
+defaults); docs/differences.md lists where the behaviour differs. `main(argv)` returns the run summary as a dict,
 so tests drive the real program in-process.
 
 Stages of a run: parse + validate every input (one clear error before any step) -> device, backend and

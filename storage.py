@@ -334,7 +334,7 @@ def describe_error(err: Exception, what: str, bucket: str, endpoint: str | None)
         return f"{what}: no such object"
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"):
         return (f"{what}: access denied ({code}); the credentials of boto3's chain need the permissions "
-                f"listed in the README's S3 section")
+                f"listed in docs/s3.md (Bucket policy)")
     if code in ("PermanentRedirect", "301", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
         where = f"region {region}" if region else "another region"
         return f"{what}: bucket {bucket!r} is in {where}; set AWS_REGION (or AWS_DEFAULT_REGION) to it"

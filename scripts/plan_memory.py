@@ -1,5 +1,5 @@
 """Predict the memory each device needs for a pretraining run, by part, and whether it fits a 32 GB
-Gaudi, a 96 GB Gaudi2 and an 80 GB H100 (sizing.py does the arithmetic; README "Memory planner").
+Gaudi, a 96 GB Gaudi2 and an 80 GB H100 (sizing.py does the arithmetic; docs/memory-planner.md).
 
     python scripts/plan_memory.py --config scripts/bert_1.5b_config.json \
         --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --world_size 8

@@ -1,5 +1,5 @@
 """Fine-tuning test data written from the real sentences of data/sample/books (no download): see
-data/glue_sample.py, which the demo path of the README uses too."""
+data/glue_sample.py, which the demo path of docs/fine-tuning.md uses too."""
 
 import json
 from pathlib import Path

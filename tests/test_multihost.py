@@ -156,7 +156,7 @@ def test_a_dead_rank_ends_the_job_in_time_and_a_resume_completes(test_hosts, job
         if process.poll() is None:
             process.kill()
     output = (results.parent / "dead_rank.log").read_text()
-    print(f"the job ended {elapsed:.1f} s after the kill, status {status}")  # the README's figure (pytest -s)
+    print(f"the job ended {elapsed:.1f} s after the kill, status {status}")  # docs/results.md's figure (pytest -s)
     assert status != 0 and elapsed < timeout_s, (status, elapsed, output[-3000:])
     errors = [line for line in output.splitlines() if "error: rank 0 on" in line]
     assert len(errors) == 1 and "(10.200.0.1): the connection to rank 1 on" in errors[0] and "(10.200.0.2)" in errors[0]
@@ -171,7 +171,7 @@ def test_a_dead_rank_ends_the_job_in_time_and_a_resume_completes(test_hosts, job
 def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, job):
     """SIGSTOP of the rank on host 2 (it neither answers nor dies): the rank on host 1 gives up after
     --collective_timeout_s, in DeepSpeed's own process groups too (they ignored the timeout: 30 min), with
-    the line naming the others. The frozen process itself must be ended from outside (README): SIGKILL."""
+    the line naming the others. The frozen process itself must be ended from outside (docs/several-servers.md): SIGKILL."""
     results, timeout_s = job["root"] / "stalled_rank", 10
     process, _, _ = start_long_job(test_hosts, job, results, f"--collective_timeout_s={timeout_s}")
     log = results.parent / "stalled_rank.log"

@@ -111,7 +111,7 @@ def measured_peaks(tmp_path, stage, world, checkpoint, bucket, micro):
     (0, 2, False, BUCKET, 8), (1, 2, False, BUCKET, 8), (2, 2, False, BUCKET, 8)])
 def test_planner_matches_measured_peak_memory(tmp_path, stage, world, checkpoint, bucket, micro):
     """Within 15% of every rank's measured peak. Micro-batch 8 peaks in the optimizer step, 32 in the
-    backward pass; measured figures are in the README (Memory planner)."""
+    backward pass; measured figures are in docs/results.md (Memory planner)."""
     run = sizing.Run(micro_batch=micro, seq_len=128, max_pred=20, world_size=world, zero_stage=stage,
                      checkpoint_interval=1 if checkpoint else 0, reduce_bucket_size=bucket, on_cpu=True)
     predicted = sizing.device_memory(BertConfig(**MEASURED_MODEL), run)["total"]
