@@ -172,6 +172,19 @@ def test_download_resumes_and_verifies_the_published_sha1(tmp_path, dump_server)
     assert dest.read_bytes() == dump and bz2.decompress(dest.read_bytes()).startswith(b"<mediawiki")
 
 
+def test_a_local_dump_has_no_mirror_line_and_a_mirror_without_sums_still_warns(tmp_path, dump_server):
+    local = prep(tmp_path / "local", "--action", "download", "--dataset", "wikicorpus_en",
+                 WIKI_DUMP_URL=str(SAMPLE / "enwiki_sample.xml.bz2"))
+    assert local.returncode == 0, local.stderr
+    assert "SHA-1" not in local.stderr and "mirror" not in local.stderr
+    url, _ = dump_server  # this server publishes no sha1sums file
+    remote = prep(tmp_path / "remote", "--action", "download", "--dataset", "wikicorpus_en", WIKI_DUMP_URL=url)
+    assert remote.returncode == 0 and "the mirror publishes no SHA-1" in remote.stderr
+    wrong = prep(tmp_path / "wrong", "--action", "download", "--dataset", "wikicorpus_en",
+                 WIKI_DUMP_URL=str(SAMPLE / "enwiki_sample.xml.bz2"), WIKI_DUMP_SHA1="0" * 40)
+    assert wrong.returncode == 1 and "SHA-1 mismatch" in wrong.stderr
+
+
 def test_download_with_wrong_checksum_fails(tmp_path, dump_server):
     url, _ = dump_server
     result = prep(tmp_path, "--action", "download", "--dataset", "wikicorpus_en", WIKI_DUMP_URL=url,
