@@ -59,11 +59,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
     """DeepSpeed picks its accelerator when first imported: call this before that (a user's
-    DS_ACCELERATOR wins)."""
-    if no_cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    elif use_hpu:
+    DS_ACCELERATOR wins). The choice is setup_device_and_distributed's, so DeepSpeed agrees with the
+    device we use and has no fallback to warn about ('Setting accelerator to CPU' above --help)."""
+    if use_hpu:
         os.environ.setdefault("DS_ACCELERATOR", "hpu")
+    elif no_cuda or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1,
