@@ -47,13 +47,17 @@ phase_args() {
 
 # HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
 # found the device here, and the ranks' environment in RANK_ENV (hpu_environment). CPU ranks take DeepSpeed's
-# CPU accelerator and one thread each unless told otherwise.
+# CPU accelerator and one thread each unless told otherwise. LAUNCHER_ARGS: on a CPU run the deepspeed
+# launcher's INFO lines (among them 'Setting CUDA_VISIBLE_DEVICES=0,1') say nothing true; its warnings and
+# errors (a rank's exit code) still show.
 device_args() {
     RANK_ENV=()
+    LAUNCHER_ARGS=()
     case "${HL_DEVICE:-hpu}" in
         hpu) DEVICE_ARGS=(--use_hpu); hpu_environment ;;
         cuda) DEVICE_ARGS=() ;;
-        cpu) DEVICE_ARGS=(--no_cuda); export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" ;;
+        cpu) DEVICE_ARGS=(--no_cuda); LAUNCHER_ARGS=(--log_level=warning)
+             export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" ;;
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
     esac
     check_devices
@@ -194,7 +198,7 @@ launch_pretraining() {
             --ngpu_per_node "$NGPU_PER_NODE" --master_port "$MASTER_PORT" --deepspeed_config "$DS_CONFIG" \
             --data_dir "$DATA_DIR" --json_summary "$JSON_SUMMARY" --max_restarts "${HL_MAX_RESTARTS:-3}" \
             --restart_window_s "${HL_RESTART_WINDOW_S:-21600}" --min_hosts "${HL_MIN_HOSTS:-$(( (NUM_NODES + 1) / 2 ))}" \
-            -- deepspeed --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python \
+            -- deepspeed "${LAUNCHER_ARGS[@]}" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python \
             "${RANK_ENV[@]}" "$PYTHON" -u ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@"
     fi
     launch_ranks ./run_pretraining.py "${PRETRAINING_ARGS[@]}" "$@"
@@ -241,7 +245,7 @@ check_finetuning_resume() {
 launch_ranks() {
     mkdir -p "$RESULTS_DIR"
     cd "$REPO_ROOT"
-    local command=(deepspeed --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
+    local command=(deepspeed "${LAUNCHER_ARGS[@]}" --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
                    "${RENDEZVOUS_ARGS[@]}" "${RANK_ENV[@]}" "$PYTHON" -u "$@")
     echo "${command[*]}"
     run_forwarding_signals "${command[@]}"

@@ -183,7 +183,7 @@ def test_hl_overrides_reach_the_command(stub_launcher):
                HL_CHECKPOINTS_DIR=str(tmp_path / "ckpt"))
     assert launch("run_bert_1.5b_32x.sh", env).returncode == 0
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[:6] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python"]
+    assert args[:7] == ["--log_level=warning", "--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python"]
     for expected in ("--no_cuda", "--max_steps=7", "--steps_this_run=3", f"--output_dir={tmp_path / 'ckpt'}"):
         assert expected in args
     assert "--use_hpu" not in args
@@ -308,9 +308,9 @@ def test_glue_launcher_command_line(stub_launcher):
     result = launch("run_glue.sh", env)
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[:10] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python", "--master_port",
-                         "29500", str(helpers.VENV_BIN / "python"), "-u"]
-    program = args[10:]
+    assert args[:11] == ["--log_level=warning", "--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python",
+                         "--master_port", "29500", str(helpers.VENV_BIN / "python"), "-u"]
+    program = args[11:]
     assert program[:2] == ["./run_glue.py", "--no_cuda"]
     for flag, value in (("--task_name", "mrpc"), ("--data_dir", str(tmp_path)), ("--init_checkpoint", str(tmp_path)),
                         ("--output_dir", str(tmp_path / "results"))):
@@ -340,7 +340,7 @@ def test_glue_launcher_runs_on_several_servers_and_forwards_sigterm_to_the_ranks
     env = ready_to_launch("run_glue.sh", dict(env, HL_DEVICE="cpu"), tmp_path)
     assert launch("run_glue.sh", dict(env, HL_NUM_NODES="2")).returncode == 0
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[6:11] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101", "--master_port",
+    assert args[7:12] == [f"--hostfile={SCRIPTS / 'hostsfile'}", "--master_addr", "10.10.100.101", "--master_port",
                           "29500"]
     assert sigterm_once_started("run_glue.sh", env, tmp_path, "ranks") == 0
     assert (tmp_path / "rank_signalled").exists() and not (tmp_path / "launch_signalled").exists()

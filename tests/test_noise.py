@@ -25,3 +25,17 @@ def test_help_and_errors_have_no_deepspeed_accelerator_line(script):
     assert failed.returncode == 2
     assert failed.stderr.splitlines() == [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
     assert "the following arguments are required" in failed.stderr
+
+
+def test_a_cpu_launch_has_no_cuda_visible_devices_line_and_a_failing_rank_still_shows(tmp_path):
+    from helpers import free_port
+    env = dict(os.environ, HL_DEVICE="cpu", NUM_NODES="1", NGPU_PER_NODE="2", HL_NGPU_PER_NODE="2",
+               RESULTS_DIR=str(tmp_path), REPO_ROOT=str(REPO_ROOT), HL_MASTER_PORT=str(free_port()))
+    rank = 'import sys; print("rank up"); sys.exit(3)'
+    result = subprocess.run(["bash", "-c", f'source scripts/launch_common.sh; device_args; find_launcher_and_python; '
+                             f'rendezvous_args; launch_ranks -c "$0"', rank], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 3 and output.splitlines().count("rank up") == 2, output
+    assert "CUDA_VISIBLE_DEVICES" not in output
+    assert "exits with return code = 3" in output

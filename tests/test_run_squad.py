@@ -146,9 +146,9 @@ def test_launcher_command_line(tmp_path):
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "args").read_text().splitlines()
     # the ranks run the launcher's python by its absolute path (ssh's PATH on another server differs)
-    assert args[:9] == ["--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python", "--master_port",
-                        "29500", str(helpers.VENV_BIN / "python")]
-    assert args[10] == "./run_squad.py" and "--no_cuda" in args and "--version_2_with_negative" in args
+    assert args[:10] == ["--log_level=warning", "--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "--no_python",
+                         "--master_port", "29500", str(helpers.VENV_BIN / "python")]
+    assert args[11] == "./run_squad.py" and "--no_cuda" in args and "--version_2_with_negative" in args
     assert args[args.index("--train_file") + 1] == str(squad_dir / "train-v2.0.json")
     assert args[args.index("--init_checkpoint") + 1] == str(checkpoint)
     assert args[-2:] == ["--max_steps", "5"]  # extra arguments are passed on
