@@ -28,6 +28,7 @@ import struct
 import sys
 import tempfile
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -95,6 +96,10 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
         # Trap 1: DeepSpeed JIT-compiles a shared-memory op (25-70 s, needs g++ and ninja) in
         # init_distributed on CPU; it only serves inference all-reduce.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed's ZeRO gathers with torch's all_gather_into_tensor, which torch deprecates: a line per run
+    # the user can do nothing about (this exact message only)
+    warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     _default_group_timeout(timeout)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)

@@ -39,3 +39,21 @@ def test_a_cpu_launch_has_no_cuda_visible_devices_line_and_a_failing_rank_still_
     assert result.returncode == 3 and output.splitlines().count("rank up") == 2, output
     assert "CUDA_VISIBLE_DEVICES" not in output
     assert "exits with return code = 3" in output
+
+
+def test_deepspeeds_gather_shows_no_deprecation_line_and_other_warnings_still_show(tmp_path):
+    script = ("import warnings, torch, runtime\n"
+              "runtime.setup_device_and_distributed(use_hpu=False, no_cuda=True)\n"
+              "out = torch.zeros(2)\n"
+              "torch.distributed.all_gather_into_tensor(out, torch.ones(2))  # as DeepSpeed's comm falls through to\n"
+              "warnings.warn('another deprecation', FutureWarning)\n"
+              "print(out.tolist())\n")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[1.0, 1.0]"  # the gather ran (a world of one)
+    assert "all_gather_into_tensor` is deprecated" not in result.stderr
+    assert "FutureWarning: another deprecation" in result.stderr
