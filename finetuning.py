@@ -67,8 +67,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     add("--do_lower_case", action="store_true", help="Lower-case the text (uncased vocab).")
     add("--output_dir", required=True, help="Predictions, results and checkpoints go here.")
     add("--do_train", action="store_true", help="Fine-tune.")
-    add("--do_eval", action="store_true", help="Evaluate on the dev set.")
-    add("--do_predict", action="store_true", help="Write predictions for the test set.")
+    add("--do_eval", action="store_true", help="Score predictions against their answers: run_squad.py those of "
+        "--predict_file, run_glue.py the task's dev sets.")
+    add("--do_predict", action="store_true", help="Write predictions: run_squad.py of --predict_file (also what "
+        "--do_eval scores), run_glue.py of the task's unlabelled test sets.")
     add("--train_batch_size", type=int, default=None, help="Batch per device and micro-step (default: the "
         "DeepSpeed JSON's train_micro_batch_size_per_gpu, else 32).")
     add("--gradient_accumulation_steps", type=int, default=None, help="Micro-steps per optimizer step "

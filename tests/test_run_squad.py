@@ -232,3 +232,9 @@ def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoin
         assert [e["text"] for e in two["nbest_predictions.json"][qid]] == [e["text"] for e in entries]
         assert [e["start_logit"] for e in two["nbest_predictions.json"][qid]] == pytest.approx(
             [e["start_logit"] for e in entries], rel=1e-4, abs=1e-4)
+
+
+def test_squad_help_says_do_eval_and_do_predict_both_read_predict_file():
+    helps = {action.option_strings[0]: action.help for action in run_squad.build_parser()._actions}
+    assert "--predict_file" in helps["--do_eval"] and "--predict_file" in helps["--do_predict"]
+    assert "run_squad.py of --predict_file" in helps["--do_predict"]
