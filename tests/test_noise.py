@@ -57,4 +57,3 @@ def test_deepspeeds_gather_shows_no_deprecation_line_and_other_warnings_still_sh
     assert result.stdout.splitlines()[-1] == "[1.0, 1.0]"  # the gather ran (a world of one)
     assert "all_gather_into_tensor` is deprecated" not in result.stderr
     assert "FutureWarning: another deprecation" in result.stderr
-
