@@ -119,3 +119,13 @@ def test_hosts(tmp_path_factory):
         pytest.skip(reason)
     with multihost.TestHosts(tmp_path_factory.mktemp("test_hosts"), count=3) as hosts:
         yield hosts
+
+
+@pytest.fixture(autouse=True)
+def no_habana_bridge_left_behind():
+    """The stand-in Habana bridge (tests/fake_habana) must not outlive the test that imported it: the driver
+    treats an imported habana_frameworks as a Gaudi run (checkpointing saves the HPU RNG)."""
+    before = {name for name in sys.modules if name.startswith("habana_frameworks")}
+    yield
+    left = sorted({name for name in sys.modules if name.startswith("habana_frameworks")} - before)
+    assert not left, f"this test left the stand-in Habana bridge imported: {left}"
