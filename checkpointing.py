@@ -50,8 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import storage
-from atomic_write import fsync_path, write_atomically, write_text_atomically
+from common import storage
+from common.atomic_write import fsync_path, write_atomically, write_text_atomically
 
 MANIFEST_NAME = "complete.json"
 LATEST_NAME = "latest"
@@ -546,7 +546,7 @@ def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:
     return doomed
 
 
-# --------------------------------------------------------------------------- copies on S3 (storage.py)
+# --------------------------------------------------------------------------- copies on S3 (common/storage.py)
 #
 # With an s3:// output directory a checkpoint is saved locally as above (into a staging directory),
 # then copied: every file of the tag, then its manifest, then `latest`. S3 cannot rename, so this order

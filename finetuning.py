@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 import checkpointing
 import runtime
-import storage
-from errors import InputError
+from common import storage
+from common.errors import InputError
 from hf_interop import read_config_file, read_pretrained_weights
 from modeling import BertConfig
 from optimization import get_parameter_groups

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from atomic_write import atomic_path, write_text_atomically
-from errors import InputError, one_line
+from common.atomic_write import atomic_path, write_text_atomically
+from common.errors import InputError, one_line
 from modeling import LAYER_NORM_EPS, BertConfig
 
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from atomic_write import write_text_atomically
+from common.atomic_write import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class BertConfig:
         return dataclasses.asdict(self)
 
     def to_json_file(self, path) -> None:
-        """Atomically (atomic_write.py): never a half-written config."""
+        """Atomically (common/atomic_write.py): never a half-written config."""
         write_text_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 

@@ -29,10 +29,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from errors import InputError
+from common.errors import InputError
 
 REPO_ROOT = Path(__file__).resolve().parent
-CODE_GLOBS = ("*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")  # what every rank runs or reads
+CODE_GLOBS = ("*.py", "common/*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")  # what every rank runs or reads
 
 
 class PreflightError(InputError):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import finetuning
 import glue_metrics
 from data.glue import TASKS, convert_examples_to_features, read_examples
-from errors import InputError
+from common.errors import InputError
 from modeling import BertForSequenceClassification
 
 

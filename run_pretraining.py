@@ -33,7 +33,7 @@ import gaudi
 import hardware
 import runtime
 import sizing
-import storage
+from common import storage
 import zero_partitions
 from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import finetuning
 import squad_metrics
-from atomic_write import write_text_atomically
+from common.atomic_write import write_text_atomically
 from data import squad
-from errors import InputError
+from common.errors import InputError
 from modeling import BertForQuestionAnswering
 
 

@@ -7,7 +7,7 @@
 - `add_compile_arguments`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
 - `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
 - `check_writable_directory`, `check_writable_file`: an unwritable output is an error before any work;
-- `InputError` (errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
+- `InputError` (common/errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
 
 Functions take explicit values, not an argparse namespace. DeepSpeed is imported lazily: it picks its
 accelerator on first import.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from errors import InputError, one_line
+from common.errors import InputError, one_line
 from preflight import batch_arithmetic
 
 try:

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -32,13 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import run_pretraining  # noqa: E402
-from data.shard_format import write_shard  # noqa: E402
-from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion  # noqa: E402
-from optimization import build_optimizer, get_parameter_groups  # noqa: E402
-from schedulers import PolyWarmUpScheduler  # noqa: E402
+import run_pretraining
+from data.shard_format import write_shard
+from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
+from optimization import build_optimizer, get_parameter_groups
+from schedulers import PolyWarmUpScheduler
 
 MODEL_CONFIG = Path(__file__).resolve().parent.parent / "scripts" / "bert_tiny_config.json"
 

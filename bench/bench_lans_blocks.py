@@ -15,18 +15,16 @@ Asserts nothing. Export OMP_NUM_THREADS=1 (torchrun does) on a 2-core machine.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import zero_partitions  # noqa: E402
-from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion  # noqa: E402
-from optimization import build_optimizer, get_parameter_groups  # noqa: E402
+import zero_partitions
+from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
+from optimization import build_optimizer, get_parameter_groups
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

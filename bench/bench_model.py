@@ -25,15 +25,13 @@ place, dropout from torch's generator), same weights and optimizer; its compilat
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion  # noqa: E402
-from optimization import build_optimizer, get_parameter_groups  # noqa: E402
+from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
+from optimization import build_optimizer, get_parameter_groups
 
 # Issue 11's shapes: two layers of each width, so that a step takes about a second on a shared 2-core CPU.
 SHAPES = {

@@ -11,16 +11,13 @@ the ratio and the largest weight difference to the baseline at the end (useful a
 import argparse
 import importlib.util
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_model import SHAPES, bench_configs  # noqa: E402
-from modeling import BertForPreTraining  # noqa: E402
-from optimization import build_optimizer, get_parameter_groups  # noqa: E402
+from bench_model import SHAPES, bench_configs
+from modeling import BertForPreTraining
+from optimization import build_optimizer, get_parameter_groups
 
 
 def parse_arguments(argv=None):

@@ -11,18 +11,26 @@ they measure the client side (and moto), not a network.
 """
 
 import argparse
+import importlib.util
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from common import storage
 
-import s3_helpers  # noqa: E402
-import storage  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_s3_helpers():
+    """tests/s3_helpers.py, the suite's moto_server code, loaded from its file (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("s3_helpers", REPO / "tests" / "s3_helpers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+s3_helpers = load_s3_helpers()
 
 
 def fill(store, cache_dir: Path) -> tuple[float, int]:

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import hardware
+import run_pretraining
+import sizing
+from modeling import BertConfig
 
-import hardware  # noqa: E402
-import run_pretraining  # noqa: E402
-import sizing  # noqa: E402
-from modeling import BertConfig  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SEQ_LEN, MAX_PRED = 128, 20  # phase 1 of the sample data
 DATASET = ("hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/"

@@ -24,11 +24,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atomic_write import atomic_path, remove_stale_temporaries, write_atomically  # noqa: E402
-from data import create_pretraining_data, sharding  # noqa: E402
-from errors import InputError  # noqa: E402
+from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically
+from data import create_pretraining_data, sharding
+from common.errors import InputError
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_WIKI_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"

@@ -25,7 +25,7 @@ A directory (or comma-separated list) of inputs with ``--output_file`` naming a 
 one ``<stem>.hdf5`` per input, made in parallel by ``--n_processes`` workers; an ``--output_file``
 ending in .hdf5/.h5 gets every input in one shard. Existing outputs are skipped (``--overwrite``).
 
-S3 (storage.py): an ``--input_file`` of s3://bucket/prefix (its *.txt objects) or s3://bucket/x.txt is
+S3 (common/storage.py): an ``--input_file`` of s3://bucket/prefix (its *.txt objects) or s3://bucket/x.txt is
 downloaded first, verified, into a temporary directory; an ``--output_file`` of s3://bucket/prefix gets
 one shard per input, each uploaded as soon as it is written and then removed locally (shards already
 under the prefix are skipped unless ``--overwrite``).
@@ -45,16 +45,14 @@ from pathlib import Path
 
 if __name__ == "__main__":  # run as a tool: it uses no BLAS, and OpenBLAS's thread pool costs CPU at start-up
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+from tqdm import tqdm
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import atomic_write  # noqa: E402
-import storage  # noqa: E402
-from data.shard_format import ShardError, ShardWriter  # noqa: E402
-from data.tokenization import load_tokenizer  # noqa: E402
-from errors import InputError  # noqa: E402
+from common import atomic_write
+from common import storage
+from data.shard_format import ShardError, ShardWriter
+from data.tokenization import load_tokenizer
+from common.errors import InputError
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import InputError
+from common.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 from isal import isal_zlib
 
-from atomic_write import AtomicPath
+from common.atomic_write import AtomicPath
 
 # key -> (dtype written by write_shard, rank, name of the second dimension)
 SHARD_KEYS = {

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from atomic_write import atomic_path, remove_stale_temporaries
+from common.atomic_write import atomic_path, remove_stale_temporaries
 
 ARTICLES_PER_TASK = 256
 

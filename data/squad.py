@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from data.tokenization import load_tokenizer
-from errors import InputError
+from common.errors import InputError
 
 CLS_POSITION = 0
 

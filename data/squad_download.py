@@ -12,10 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data.bert_prep import fetch_verified  # noqa: E402
-from errors import InputError  # noqa: E402
+from data.bert_prep import fetch_verified
+from common.errors import InputError
 
 DEFAULT_BASE_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset"
 SHA256 = {

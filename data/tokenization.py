@@ -2,7 +2,7 @@
 pretraining data tool and the fine-tuning readers (data/glue.py, data/squad.py)."""
 from pathlib import Path
 
-from errors import InputError
+from common.errors import InputError
 
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
 

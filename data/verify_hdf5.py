@@ -15,9 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data.shard_format import SHARD_KEYS, ShardError, read_shard_header  # noqa: E402
+from data.shard_format import SHARD_KEYS, ShardError, read_shard_header
 
 ROWS_PER_READ = 8192
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")

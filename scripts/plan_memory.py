@@ -10,9 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import sizing  # noqa: E402
-from modeling import BertConfig  # noqa: E402
+import sizing
+from modeling import BertConfig
 
 PARTS = (("parameters", "model weights (bf16, or fp32 without bf16)"),
          ("master_weights", "fp32 master weights (bf16 only; split under ZeRO-1/2)"),

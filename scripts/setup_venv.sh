@@ -2,6 +2,7 @@
 # Source this file: it creates (once) or reuses the project's virtual environment and activates it.
 #   VENV          where the environment lives (default: <repo>/.venv)
 #   WITH_DEV=1    also install the test dependencies (requirements-dev.txt)
+# It also installs the project itself in editable mode (pip install -e ., see pyproject.toml).
 # torch is installed in the same pip call as deepspeed so that deepspeed's unpinned torch requirement is
 # satisfied by the pinned CPU build instead of pulling a CUDA build.
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,5 +26,25 @@ install_if_changed() {
 }
 install_if_changed "$repo_root/requirements.txt" || return 1
 if [[ -n "${WITH_DEV:-}" ]]; then install_if_changed "$repo_root/requirements-dev.txt" || return 1; fi
+# The project itself, editable (pyproject.toml): its modules import from any directory, and data/*.py and
+# bench/*.py run as plain scripts. pip runs only when a name that pyproject.toml lists does not import from
+# this checkout (a new environment, a new module, or an environment installed from another clone).
+project_importable() {
+    (cd / && "$VENV/bin/python" - "$repo_root" <<'PY'
+import importlib.util, sys, tomllib
+from pathlib import Path
+root = Path(sys.argv[1]).resolve()
+listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+names = listed["py-modules"] + [name for name in listed["packages"] if "." not in name]
+specs = [importlib.util.find_spec(name) for name in names]
+sys.exit(0 if all(spec and spec.origin and Path(spec.origin).resolve().is_relative_to(root) for spec in specs) else 1)
+PY
+    )
+}
+if ! project_importable; then
+    echo "Installing the project (pip install -e $repo_root) into $VENV" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$repo_root" \
+        || { echo "error: pip install -e $repo_root failed (see above)" >&2; return 1; }
+fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"

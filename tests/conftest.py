@@ -3,14 +3,10 @@
 
 import itertools
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import helpers  # noqa: E402
+import helpers
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +38,7 @@ def pipeline_shards(tmp_path_factory):
                     "--input_file", str(source), "--output_file", str(directory / "persuasion_training_0.hdf5"),
                     "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"), "--max_seq_length", "128",
                     "--max_predictions_per_seq", "20", "--dupe_factor", "1", "--n_processes", "1"],
-                   check=True, capture_output=True, timeout=300)
+                   check=True, capture_output=True, timeout=300, env=helpers.checkout_env())
     source.unlink()
     return directory
 

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from data.shard_format import write_shard
+from runtime import free_port  # noqa: F401  (used by the tests that start processes)
 
-from data.shard_format import write_shard  # noqa: E402  (needs the repo root on sys.path)
-from runtime import free_port  # noqa: E402,F401  (used by the tests that start processes)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 VENV_BIN = Path(sys.executable).parent
 # A recording stand-in for Habana's bridge (habana_frameworks); see its docstring for what it models.
@@ -132,10 +130,17 @@ def environ_without_rank() -> dict:
     return env
 
 
+def checkout_env(env=None) -> dict:
+    """`env` (default os.environ) with PYTHONPATH at this checkout: a script run by its path in a child process
+    then imports the project as it would from an editable install, which the suite itself does not need
+    (pytest.ini's pythonpath)."""
+    return {**(os.environ if env is None else env), "PYTHONPATH": str(REPO_ROOT)}
+
+
 def launcher_env(**extra) -> dict:
-    env = environ_without_rank()
+    env = checkout_env(environ_without_rank())
     env.update(PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))
+               DS_ACCELERATOR="cpu")
     env.update(extra)
     return env
 

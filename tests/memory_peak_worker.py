@@ -11,9 +11,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import hardware  # noqa: E402
-import run_pretraining  # noqa: E402
+import hardware
+import run_pretraining
 
 
 def main():

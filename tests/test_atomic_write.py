@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from atomic_write import atomic_path, remove_stale_temporaries, write_atomically, write_text_atomically
+from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically, write_text_atomically
 
 
 def test_a_file_is_replaced_whole_and_fsynced(tmp_path, monkeypatch):

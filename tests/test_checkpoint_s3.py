@@ -3,17 +3,14 @@
 Checkpoints here are small directories committed by checkpointing's own _commit (manifest and
 `latest` as a real save writes them); the end-to-end runs of the driver are in test_s3_training.py."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import helpers  # noqa: E402,F401  (puts the repo root on sys.path)
-import s3_helpers  # noqa: E402
-import checkpointing  # noqa: E402
-import storage  # noqa: E402
+import s3_helpers
+import checkpointing
+from common import storage
 
 
 def save_local(output_dir: Path, tag: str, world: int = 2, size: int = 1000) -> None:

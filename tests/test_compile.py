@@ -5,16 +5,13 @@ float tolerance, not bitwise), and the checkpoints must be the same files: a run
 resumes in the other. Inductor needs the C++ compiler that the venv's torch finds (g++ here).
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import helpers  # noqa: E402  (puts the repo root on sys.path)
-import run_pretraining  # noqa: E402
-from errors import InputError  # noqa: E402
+import helpers
+import run_pretraining
+from common.errors import InputError
 
 STEPS, HALF = 20, 10
 # Relative loss difference allowed per step: fp32 sums in another order; bf16 rounds its (differently

@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
+import helpers
 from data.create_pretraining_data import WordPieceEncoder, choose_candidates, document_instances, truncate_pairs
 from data.shard_format import SHARD_KEYS
 
@@ -51,7 +52,7 @@ def write_corpus(path, documents):
 
 def run_script(*args, check=True):
     result = subprocess.run([sys.executable, str(SCRIPT), "--vocab_file", str(VOCAB), *map(str, args)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=helpers.checkout_env())
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -349,7 +350,8 @@ def test_sigkill_while_writing_then_rerun_equals_uninterrupted_run(tmp_path):
     killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
     killed_dir.mkdir()
     process = subprocess.Popen([sys.executable, str(SCRIPT), "--vocab_file", str(VOCAB), *map(str, args),
-                                "--output_file", str(killed_dir / "s.hdf5")], stderr=subprocess.DEVNULL)
+                                "--output_file", str(killed_dir / "s.hdf5")], stderr=subprocess.DEVNULL,
+                               env=helpers.checkout_env())
     deadline = time.monotonic() + 120
     while not any(p.stat().st_size > 100_000 for p in killed_dir.glob(".s.hdf5.tmp.*")):
         assert process.poll() is None and time.monotonic() < deadline, "writer finished before it was killed"
@@ -385,7 +387,7 @@ def test_bad_input_one_error_line_nonzero_exit_no_shard(tmp_path, name, content,
         output = out_dir / "file" / "s.hdf5"  # a path below a regular file
     command = [sys.executable, str(SCRIPT), "--input_file", str(source), "--output_file", str(output),
                "--vocab_file", str(tmp_path / "missing.txt" if vocab else VOCAB)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=helpers.checkout_env())
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("create_pretraining_data.py: error:") and message in lines[0]
@@ -445,7 +447,7 @@ def test_a_long_document_is_cut_and_an_endless_line_refused(monkeypatch, tmp_pat
     """Memory stays bounded whatever the input: a document is cut between lines once it reaches
     block_chars, and a line longer than MAX_LINE_CHARS is one clear error."""
     from data import create_pretraining_data
-    from errors import InputError
+    from common.errors import InputError
 
     lines = [f"line {i} " + "x" * 20 for i in range(40)]  # 40 lines of 27 or 28 characters, one document
     write_corpus(tmp_path / "in.txt", [lines])

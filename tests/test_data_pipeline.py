@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
+import helpers
 from data.sharding import ShardingError, assign_articles
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ SHARD_NAMES = [f"books_wiki_en_corpus_training_{i}" for i in range(3)] + ["books
 
 
 def pipeline_env(work, **extra):
-    env = dict(os.environ, PYTHON=sys.executable, BERT_PREP_WORKING_DIR=str(work), DUPE_FACTOR="2",
+    env = dict(helpers.checkout_env(), PYTHON=sys.executable, BERT_PREP_WORKING_DIR=str(work), DUPE_FACTOR="2",
                N_TRAINING_SHARDS="3", N_TEST_SHARDS="1", N_PROCESSES="2")
     env.update(extra)
     return env
@@ -51,7 +52,7 @@ def test_sample_pipeline_writes_both_phases_and_verify_accepts_them(sample_run):
         with h5py.File(shard_dir / "books_wiki_en_corpus_training_0.hdf5", "r") as f:
             assert f["input_ids"].shape[1] == (128 if phase == 1 else 512)
         result = subprocess.run([sys.executable, str(REPO / "data" / "verify_hdf5.py"), str(shard_dir)],
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=300, env=helpers.checkout_env())
         assert result.returncode == 0, result.stderr
         assert "total (4 good, 0 bad)" in result.stdout
 
@@ -224,7 +225,7 @@ def test_verify_reports_a_bad_shard(sample_run, tmp_path, problem):
     with h5py.File(tmp_path / "copy" / "books_wiki_en_corpus_training_1.hdf5", "r+") as f:
         corrupt(f, problem)
     result = subprocess.run([sys.executable, str(REPO / "data" / "verify_hdf5.py"), str(tmp_path / "copy")],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=helpers.checkout_env())
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"BAD {tmp_path}/copy/books_wiki_en_corpus_training_1.hdf5: {problem} (in rows 0..{rows - 1})"
@@ -248,7 +249,7 @@ def test_verify_reports_a_corrupt_compressed_chunk_and_checks_the_other_shards(s
         raw.seek(chunk.byte_offset + chunk.size // 2)
         raw.write(bytes(range(256)) * 4)
     result = subprocess.run([sys.executable, str(REPO / "data" / "verify_hdf5.py"), str(tmp_path / "copy")],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=helpers.checkout_env())
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"BAD {bad}: cannot read rows 0..")

@@ -60,7 +60,9 @@ def stale_figures(measured: dict, quotes: dict) -> list:
 
 
 def run_demo(tmp_path, **settings):
-    env = dict(os.environ, VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"), MASTER_PORT=str(helpers.free_port()),
+    # PYTHONPATH: the demo's processes import this checkout as the suite does, and setup_venv.sh, finding the
+    # project importable, leaves the environment as it is (no editable install into the suite's environment).
+    env = dict(helpers.checkout_env(), VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"), MASTER_PORT=str(helpers.free_port()),
                **settings)
     run = subprocess.run(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)

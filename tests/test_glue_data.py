@@ -10,7 +10,7 @@ import torch
 import glue_metrics
 from data.glue import TASKS, convert_examples_to_features, read_examples, truncate_pair
 from data.tokenization import load_tokenizer
-from errors import InputError
+from common.errors import InputError
 from finetune_helpers import REPO_ROOT, book_sentences
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"

@@ -10,7 +10,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 import hf_interop
-from errors import InputError
+from common.errors import InputError
 from finetune_helpers import REPO_ROOT, book_sentences
 from modeling import BertConfig, BertForPreTraining
 

@@ -221,7 +221,6 @@ def test_gradients_are_not_modified_by_clipping():
 DEEPSPEED_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, deepspeed, deepspeed.ops
-    sys.path.insert(0, sys.argv[1])
     from lans import LANS
     from schedulers import PolyWarmUpScheduler
 
@@ -270,8 +269,8 @@ def free_port():
 
 def test_lans_with_poly_scheduler_under_deepspeed_zero1(tmp_path):
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", DEEPSPEED_SCRIPT, str(REPO)], env=env, cwd=tmp_path,
+           "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", DEEPSPEED_SCRIPT], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])

@@ -27,15 +27,14 @@ import psutil
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import helpers  # noqa: E402  (puts the repo root on sys.path)
-import checkpointing  # noqa: E402
-import modeling  # noqa: E402
-import run_pretraining  # noqa: E402
-from errors import InputError  # noqa: E402
-from data.dataset import SampleStream, scan_shards  # noqa: E402
-from data.shard_format import ShardError  # noqa: E402
-from test_checkpointing import read_only  # noqa: E402
+import helpers
+import checkpointing
+import modeling
+import run_pretraining
+from common.errors import InputError
+from data.dataset import SampleStream, scan_shards
+from data.shard_format import ShardError
+from test_checkpointing import read_only
 
 THIS_FILE = Path(__file__).resolve()
 KILL_ENV = "FAULT_KILL"

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import helpers  # noqa: E402  (puts the repo root on sys.path)
-import s3_helpers  # noqa: E402
-import checkpointing  # noqa: E402
-import finetuning  # noqa: E402
-import run_pretraining  # noqa: E402
-import storage  # noqa: E402
-import test_resume  # noqa: E402  (the driver under its kill wrapper, losses and checkpoint comparisons)
-from data.shard_format import SHARD_KEYS  # noqa: E402
+import helpers
+import s3_helpers
+import checkpointing
+import finetuning
+import run_pretraining
+from common import storage
+import test_resume  # (the driver under its kill wrapper, losses and checkpoint comparisons)
+from data.shard_format import SHARD_KEYS
 
 DATA_TOOL = helpers.REPO_ROOT / "data" / "create_pretraining_data.py"
 
@@ -35,7 +34,7 @@ def run_data_tool(*args, env=None):
     return subprocess.run([sys.executable, str(DATA_TOOL), "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"),
                            "--max_seq_length", "64", "--max_predictions_per_seq", "10", "--dupe_factor", "1",
                            "--n_processes", "1", *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env=env or os.environ)
+                          env=helpers.checkout_env(env))
 
 
 def test_data_tool_reads_text_from_and_writes_shards_to_s3(tmp_path, s3):

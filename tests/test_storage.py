@@ -9,16 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import h5py
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import helpers  # noqa: E402  (puts the repo root on sys.path)
-import s3_helpers  # noqa: E402
-import storage  # noqa: E402
-from data.dataset import LocalShardFiles, WindowReader, scan_shards  # noqa: E402
+import helpers
+import s3_helpers
+from common import storage
+from data.dataset import LocalShardFiles, WindowReader, scan_shards
 
 MIB = 1 << 20
 
@@ -313,7 +311,7 @@ def test_cache_reuses_verified_copies_of_an_earlier_run(tmp_path, remote_shards)
 
 
 def test_storage_imports_no_torch_and_no_boto3_at_import():
-    code = "import sys, storage; print('torch' in sys.modules, 'boto3' in sys.modules)"
+    code = "import sys; from common import storage; print('torch' in sys.modules, 'boto3' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO_ROOT, capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"], result.stderr
 
@@ -322,14 +320,13 @@ def test_storage_imports_no_torch_and_no_boto3_at_import():
 
 CACHE_READER = """
 import hashlib, sys
-sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[1] + "/tests")
-import s3_helpers, storage
+import s3_helpers
+from common import storage
 from data.dataset import WindowReader, scan_shards
 s3_helpers.install_faults_from_env()
-storage.DOWNLOAD_RANGE, storage.DOWNLOAD_THREADS = int(sys.argv[4]), 1
-cache = storage.ShardCache(storage.S3Store(sys.argv[2]), storage.server_cache_dir(sys.argv[3]), int(sys.argv[5]))
-shards, _, _ = scan_shards(sys.argv[2], cache)
+storage.DOWNLOAD_RANGE, storage.DOWNLOAD_THREADS = int(sys.argv[3]), 1
+cache = storage.ShardCache(storage.S3Store(sys.argv[1]), storage.server_cache_dir(sys.argv[2]), int(sys.argv[4]))
+shards, _, _ = scan_shards(sys.argv[1], cache)
 reader = WindowReader(shards, seed=3, window_size=7, vocab_size=30522, shard_files=cache)
 arrays = reader.read(0, reader.stream.epoch_size)
 cache.close()
@@ -348,8 +345,9 @@ def local_digest(local) -> str:
 def start_local_ranks(count, store, s3_cache_dir, download_range, faults="", capacity=1 << 30):
     """`count` processes of one server reading one epoch at once, through the shard cache under
     `s3_cache_dir` (as the driver's --s3_cache_dir), in ranged GETs of `download_range` bytes."""
-    env = {**os.environ, s3_helpers.FAULTS_ENV: faults}
-    return [subprocess.Popen([sys.executable, "-c", CACHE_READER, str(helpers.REPO_ROOT), store.url(), str(s3_cache_dir),
+    env = {**os.environ, s3_helpers.FAULTS_ENV: faults,
+           "PYTHONPATH": os.pathsep.join([str(helpers.REPO_ROOT), str(helpers.REPO_ROOT / "tests")])}
+    return [subprocess.Popen([sys.executable, "-c", CACHE_READER, store.url(), str(s3_cache_dir),
                               str(download_range), str(capacity)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(count)]
 

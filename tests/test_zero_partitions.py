@@ -16,7 +16,6 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist, deepspeed, deepspeed.ops
-    sys.path.insert(0, sys.argv[1])
     from lans import LANS
     import zero_partitions
 
@@ -50,7 +49,7 @@ SCRIPT = textwrap.dedent("""
         optimizer.step()
 
     results = {}
-    for name, stage, bf16, accum, tensor_blocks in json.loads(sys.argv[2]):
+    for name, stage, bf16, accum, tensor_blocks in json.loads(sys.argv[1]):
         model = make_model()
         optimizer = LANS(groups(model), lr=0.05)
         config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // world,
@@ -93,10 +92,10 @@ RUNS = [("zero1", 1, False, False, True), ("zero2", 2, False, False, True),
 
 
 def test_fragments_tile_parameters_and_tensor_blocks_follow_per_tensor_lans(tmp_path):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     (tmp_path / "script.py").write_text(SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(helpers.free_port()), "script.py", str(REPO), json.dumps(RUNS)]
+               "--master_port", str(helpers.free_port()), "script.py", json.dumps(RUNS)]
     proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
