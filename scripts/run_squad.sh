@@ -5,7 +5,11 @@
 #
 #   python data/squad_download.py                      # once: data/squad/v1.1 and data/squad/v2.0
 #   INIT_CHECKPOINT=results/bert_1.5b/checkpoints bash scripts/run_squad.sh [extra run_squad.py flags]
-#   HL_DEVICE=cpu HL_NGPU_PER_NODE=2 INIT_CHECKPOINT=results/bert_tiny/checkpoints bash scripts/run_squad.sh
+#       (results/bert_1.5b/checkpoints: the output of scripts/run_bert_1.5b_8x.sh)
+#   offline, from the CPU demo's checkpoint (scripts/run_bert_tiny_cpu.sh) and data/squad_sample.py's sample:
+#   python data/squad_sample.py --output_dir results/squad_sample
+#   HL_DEVICE=cpu HL_NGPU_PER_NODE=1 INIT_CHECKPOINT=results/bert_tiny/checkpoints SQUAD_DIR=results/squad_sample/v1.1 \
+#       EPOCHS=1 bash scripts/run_squad.sh --max_seq_length 64 --max_query_length 16
 #
 # Environment: INIT_CHECKPOINT (required: a run_pretraining.py output directory, a `checkpointing.py export`
 # file or a Hugging Face BERT directory), SQUAD_VERSION (v1.1 | v2.0), SQUAD_DIR (data/squad/$SQUAD_VERSION),
@@ -29,7 +33,7 @@ case "$SQUAD_VERSION" in
 esac
 finetuning_settings
 for split in train dev; do
-    [[ -f "$SQUAD_DIR/$split-$SQUAD_VERSION.json" ]] || die "$SQUAD_DIR/$split-$SQUAD_VERSION.json does not exist (python data/squad_download.py fetches it; set SQUAD_DIR for another place)"
+    [[ -f "$SQUAD_DIR/$split-$SQUAD_VERSION.json" ]] || die "$SQUAD_DIR/$split-$SQUAD_VERSION.json does not exist (python data/squad_download.py fetches it, python data/squad_sample.py writes an offline sample; set SQUAD_DIR for another place)"
 done
 
 launch_finetuning ./run_squad.py --disable-progress-bar --init_checkpoint "$INIT_CHECKPOINT" --vocab_file "$VOCAB_FILE" \

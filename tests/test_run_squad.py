@@ -7,9 +7,9 @@ import pytest
 
 import helpers
 import run_squad
-from finetune_helpers import (TINY_CONFIG, assert_same_training, dropout_free_config,
+from data.squad_sample import sample_sentences, word_questions, write_squad
+from finetune_helpers import (REPO_ROOT, TINY_CONFIG, assert_same_training, dropout_free_config,
                               run_on_one_and_two_ranks)
-from squad_helpers import REPO_ROOT, sample_sentences, word_questions, write_squad
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 

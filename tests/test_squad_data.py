@@ -1,13 +1,17 @@
 """data/squad.py: reading SQuAD JSON (bad input = one error naming the place), BERT features (doc-stride
 windows, answer spans, v2.0 [CLS]) and span decoding on constructed logits."""
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from common.errors import InputError
 from data import squad
-from squad_helpers import REPO_ROOT, sample_sentences, word_questions, write_squad
+from data.squad_sample import sample_sentences, word_questions, write_squad
+from finetune_helpers import REPO_ROOT
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -55,6 +59,48 @@ def test_read_v1_and_v2(tmp_path):
     assert examples[0].is_impossible and examples[0].answer_start == -1 and examples[0].gold_answers == []
     with pytest.raises(InputError, match=r"qas\[0\] .* is unanswerable .* needs --version_2_with_negative"):
         squad.read_squad(v2, is_training=True, version_2_with_negative=False)
+
+
+def test_the_offline_sample_is_official_squad_with_true_spans(tmp_path):
+    """data/squad_sample.py as docs/fine-tuning.md runs it: both versions in the official layout, every
+    answer_start points at its answer text in the context, v2.0 adds questions about words their context
+    does not hold, and the dev sets share no context with train."""
+    done = subprocess.run([sys.executable, "data/squad_sample.py", "--output_dir", str(tmp_path), "--train", "60",
+                           "--dev", "30"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    contexts = {}
+    for version, version_field in (("v1.1", "1.1"), ("v2.0", "v2.0")):
+        for split in ("train", "dev"):
+            path = tmp_path / version / f"{split}-{version}.json"
+            document = json.loads(path.read_text())
+            assert document["version"] == version_field and set(document) == {"version", "data"}
+            paragraphs = [p for article in document["data"] for p in article["paragraphs"]]
+            contexts[version, split] = {p["context"] for p in paragraphs}
+            qas = [(p["context"], qa) for p in paragraphs for qa in p["qas"]]
+            assert len({qa["id"] for _, qa in qas}) == len(qas)
+            impossible = 0
+            for context, qa in qas:
+                named = re.fullmatch(r"Where is the word (\w+)\?", qa["question"]).group(1)
+                occurrences = len(re.findall(rf"\b{named}\b", context, re.IGNORECASE))
+                if qa.get("is_impossible"):
+                    impossible += 1
+                    assert qa["answers"] == [] and occurrences == 0, (context, qa)
+                else:
+                    (answer,) = qa["answers"]
+                    start = answer["answer_start"]
+                    assert context[start:start + len(answer["text"])] == answer["text"] == named, (context, qa)
+                    assert occurrences == 1
+            assert (impossible > 0) == (version == "v2.0"), (path, impossible)
+            examples = squad.read_squad(path, is_training=True, version_2_with_negative=version == "v2.0")
+            assert len(examples) == len(qas)  # none skipped for an answer not at its offset
+        assert not contexts[version, "train"] & contexts[version, "dev"]
+
+
+def test_the_offline_sample_refuses_more_sentences_than_the_books_hold(tmp_path):
+    done = subprocess.run([sys.executable, "data/squad_sample.py", "--output_dir", str(tmp_path),
+                           "--train", "10000000"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.startswith("error: the sample books have "), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and not any(tmp_path.iterdir())
 
 
 def test_prediction_file_needs_no_answers(tmp_path):

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import squad_metrics as m
-from squad_helpers import REPO_ROOT
+from finetune_helpers import REPO_ROOT
 
 
 @pytest.mark.parametrize("text, expected", [
