@@ -21,9 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data.glue_sample import book_sentences  # noqa: E402
+from data.glue_sample import book_sentences
 
 TEMPLATE_WORDS = {"where", "the", "word"}  # never asked for (and "the" normalises away)
 VERSIONS = {"v1.1": "1.1", "v2.0": "v2.0"}  # directory and file names -> the official files' "version"

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import helpers
 from common.errors import InputError
 from data import squad
 from data.squad_sample import sample_sentences, word_questions, write_squad
@@ -66,7 +67,8 @@ def test_the_offline_sample_is_official_squad_with_true_spans(tmp_path):
     answer_start points at its answer text in the context, v2.0 adds questions about words their context
     does not hold, and the dev sets share no context with train."""
     done = subprocess.run([sys.executable, "data/squad_sample.py", "--output_dir", str(tmp_path), "--train", "60",
-                           "--dev", "30"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                           "--dev", "30"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env=helpers.checkout_env())
     assert done.returncode == 0, done.stderr
     contexts = {}
     for version, version_field in (("v1.1", "1.1"), ("v2.0", "v2.0")):
@@ -98,7 +100,8 @@ def test_the_offline_sample_is_official_squad_with_true_spans(tmp_path):
 
 def test_the_offline_sample_refuses_more_sentences_than_the_books_hold(tmp_path):
     done = subprocess.run([sys.executable, "data/squad_sample.py", "--output_dir", str(tmp_path),
-                           "--train", "10000000"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                           "--train", "10000000"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env=helpers.checkout_env())
     assert done.returncode == 1 and done.stderr.startswith("error: the sample books have "), done.stderr
     assert len(done.stderr.splitlines()) == 1 and not any(tmp_path.iterdir())
 
