@@ -710,7 +710,7 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
     states = _load_partition_states(partition_files)
     weights = {}
     for group, shapes in enumerate(model_states["param_shapes"]):
-        weights.update(_split_group(states, group, shapes, lambda state: state[_FP32_PARTITIONS][group]))
+        weights.update(_split_group(states, group, shapes, [state[_FP32_PARTITIONS][group] for state in states]))
     for name, source in (model_states.get("shared_params") or {}).items():
         weights[name] = weights[source]  # tied weights are stored once (e.g. the MLM decoder)
     for name in module.keys() - weights.keys():
@@ -733,11 +733,11 @@ def _load_partition_states(partition_files: list) -> list:
     return states
 
 
-def _split_group(states: list, group: int, shapes: dict, flat_of) -> dict:
+def _split_group(states: list, group: int, shapes: dict, pieces: list) -> dict:
     """ZeRO-1/2 layout: a param group is one flat vector cut in contiguous per-rank pieces
-    (flat_of(rank's state) gives a piece); parameters lie in it in param_shapes order, each followed by
+    (`pieces`, in rank order); parameters lie in it in param_shapes order, each followed by
     its alignment padding (if any). Returns {name: full tensor}."""
-    flat = torch.cat([flat_of(state) for state in states])
+    flat = torch.cat(pieces)
     paddings = states[0].get("param_alignment_paddings")
     values, offset = {}, 0
     for index, (name, shape) in enumerate(shapes.items()):
@@ -745,7 +745,8 @@ def _split_group(states: list, group: int, shapes: dict, flat_of) -> dict:
         values[name] = flat[offset:offset + numel].view(shape).clone()
         offset += numel + (paddings[group][index] if paddings else 0)
     if offset > flat.numel():
-        raise CheckpointError(f"group {group} of the checkpoint needs {offset} values, its partitions hold {flat.numel()}")
+        raise CheckpointError(f"group {group} of the checkpoint needs {offset} values, "
+                              f"its partitions hold {flat.numel()}")
     return values
 
 
@@ -769,8 +770,8 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
     for group, (part, shapes) in enumerate(zip(parts, param_shapes)):
         saved = [state[_BASE_STATE]["state"].get(group, {}) for state in states]
         target = client.state[part.flat]
-        _fill_fragments(part, _split_group(states, group, shapes, lambda state: state[_FP32_PARTITIONS][group]),
-                        part.flat)
+        fp32_weights = _split_group(states, group, shapes, [state[_FP32_PARTITIONS][group] for state in states])
+        _fill_fragments(part, fp32_weights, part.flat)
         for key, value in saved[0].items():
             # DeepSpeed saves the fp32 partitions without the last rank's end padding, the states with it.
             partitioned = all(torch.is_tensor(s[key]) and s[key].dim() == 1 and s[key].numel() ==
@@ -778,8 +779,7 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
                               for s, state in zip(saved, states))
             if partitioned:
                 target[key] = torch.zeros_like(part.flat)
-                _fill_fragments(part, _split_group(states, group, shapes, lambda state: state[_BASE_STATE]["state"][group][key]),
-                                target[key])
+                _fill_fragments(part, _split_group(states, group, shapes, [s[key] for s in saved]), target[key])
             else:
                 target[key] = value.to(part.flat.device) if torch.is_tensor(value) else value
         saved_group = states[0][_BASE_STATE]["param_groups"][group]

@@ -21,7 +21,7 @@ import atexit
 import json
 import sys
 from abc import ABC, abstractmethod
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 __all__ = ["Backend", "DLLLoggerAlreadyInitialized", "DLLoggerNotInitialized", "JSONStreamBackend",
            "Logger", "StdOutBackend", "Verbosity", "default_metric_format", "default_prefix_format",
@@ -139,11 +139,11 @@ class Logger:
 
     def __init__(self, backends):
         self.backends = list(backends)
-        self.start_time = datetime.now(timezone.utc)
+        self.start_time = datetime.now(UTC)
         atexit.register(self.flush)
 
     def _now(self):
-        timestamp = datetime.now(timezone.utc)
+        timestamp = datetime.now(UTC)
         return timestamp, (timestamp - self.start_time).total_seconds()
 
     def log(self, step, data, verbosity=Verbosity.DEFAULT):

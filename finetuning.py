@@ -135,7 +135,8 @@ def deepspeed_settings(args, world_size: int) -> dict:
     """The DeepSpeed JSON (optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags filled in."""
     where = args.deepspeed_config or "the DeepSpeed settings"
     config = runtime.read_deepspeed_config(args.deepspeed_config) if args.deepspeed_config else {}
-    for key, flag, value, default in (("train_micro_batch_size_per_gpu", "--train_batch_size", args.train_batch_size, 32),
+    for key, flag, value, default in (("train_micro_batch_size_per_gpu", "--train_batch_size",
+                                       args.train_batch_size, 32),
                                       ("gradient_accumulation_steps", "--gradient_accumulation_steps",
                                        args.gradient_accumulation_steps, 1)):
         if value is not None and key in config and config[key] != value:

@@ -78,7 +78,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
                     f"{torch.get_num_threads()} threads, was {'x'.join(map(str, best))}")
 
 
-@functools.lru_cache(maxsize=None)  # once per process (tests run the driver many times in one process)
+@functools.cache  # once per process (tests run the driver many times in one process)
 def measured_peak(device: torch.device, dtype: torch.dtype, threads: int) -> tuple:
     """(TFLOP/s, shape) of the fastest of MEASURED_SHAPES with `threads` torch threads."""
     measured = {shape: measure_matmul_tflops(device, dtype, shape=shape) for shape in MEASURED_SHAPES}

@@ -53,8 +53,8 @@ LEGACY_NAME_PARTS = ((".gamma", ".weight"), (".beta", ".bias"))
 # ============================================================================ config mapping
 
 def to_transformers_config(config: BertConfig, vocab_size: int | None = None) -> dict:
-    """The transformers.BertConfig keyword arguments (and config.json keys) of a post-LN BertConfig (vocab_size: the rows the
-    weights have; default the padded size, as our modules have)."""
+    """The transformers.BertConfig keyword arguments (and config.json keys) of a post-LN BertConfig (vocab_size: the
+    rows the weights have; default the padded size, as our modules have)."""
     if config.layer_norm_large_model:
         raise InputError("the pre-LN wiring (layer_norm_large_model) has no transformers class")
     return {"vocab_size": vocab_size or config.padded_vocab_size, "hidden_size": config.hidden_size,
@@ -148,6 +148,7 @@ def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case:
     """Write the directory (atomically: it appears complete or not at all). Returns True when transformers
     can load it with its own BertForPreTraining (post-LN), False for the pre-LN format (remote code)."""
     from safetensors.torch import save_file
+
     from data.tokenization import load_tokenizer
 
     tokenizer, vocab_size, _ = load_tokenizer(vocab_file, do_lower_case)

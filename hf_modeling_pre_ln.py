@@ -25,8 +25,11 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import (BaseModelOutputWithPooling, QuestionAnsweringModelOutput,
-                                           SequenceClassifierOutput)
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+)
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
 PRE_LN_LAYER_TYPE = "pre_ln"

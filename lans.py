@@ -195,7 +195,8 @@ class GroupTensors:
             numel = tensors[0].numel()
             if all(tensor.is_contiguous() for tensor in tensors):
                 flat = [tensor.view(-1) for tensor in tensors]
-                pieces = [[t.narrow(0, start, min(size, numel - start)) for t in flat] for start in range(0, numel, size)]
+                pieces = [[t.narrow(0, start, min(size, numel - start)) for t in flat]
+                          for start in range(0, numel, size)]
             else:
                 pieces = [list(tensors)]
             for piece in pieces:

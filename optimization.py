@@ -9,8 +9,7 @@
 
 import torch
 
-from lans import (LANS, AdaptiveMomentOptimizer, adam_directions, bias_corrections, scaled, trust_ratios,
-                  update_moments)
+from lans import LANS, AdaptiveMomentOptimizer, adam_directions, bias_corrections, scaled, trust_ratios, update_moments
 
 OPTIMIZERS = ("lans", "nvlamb", "adam", "adamw")
 

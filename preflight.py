@@ -66,7 +66,8 @@ def parse_hostfile(path) -> list:
         if not slots.isdigit() or int(slots) < 1:
             raise PreflightError(f"hostfile {path} line {number}: slots must be a positive integer, got {slots!r}")
         if name in seen:
-            raise PreflightError(f"hostfile {path} line {number}: host {name} is listed twice (first on line {seen[name]})")
+            raise PreflightError(f"hostfile {path} line {number}: host {name} is listed twice "
+                                 f"(first on line {seen[name]})")
         seen[name] = number
         hosts.append(Host(name, int(slots), number))
     if not hosts:
@@ -98,7 +99,8 @@ def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
     # (a checkpoint resumed on another number of ranks keeps its batch; the driver logs the split).
     if total % (micro * world_size):
         raise PreflightError(f"{source}: train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu "
-                             f"{micro} x world size {world_size}: this global batch cannot be kept on {world_size} ranks")
+                             f"{micro} x world size {world_size}: "
+                             f"this global batch cannot be kept on {world_size} ranks")
     gas = total // (micro * world_size)
     return micro, gas, total
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import finetuning
 import glue_metrics
-from data.glue import TASKS, convert_examples_to_features, read_examples
 from common.errors import InputError
+from data.glue import TASKS, convert_examples_to_features, read_examples
 from modeling import BertForSequenceClassification
 
 
@@ -104,7 +104,8 @@ def evaluate(session, model, task, data) -> dict:
     summary = {f"{name}:{key}" if len(results) > 1 else key: value
                for name, metrics in results.items() for key, value in metrics.items()}
     if timing["rows"]:
-        summary.update(e2e_inference_time=timing["time"], inference_sequences_per_second=timing["rows"] / timing["time"])
+        summary.update(e2e_inference_time=timing["time"],
+                       inference_sequences_per_second=timing["rows"] / timing["time"])
     return summary
 
 

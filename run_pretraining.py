@@ -33,8 +33,8 @@ import gaudi
 import hardware
 import runtime
 import sizing
-from common import storage
 import zero_partitions
+from common import storage
 from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
@@ -64,15 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max_steps", type=float, default=1000, help="Optimizer steps of the LR schedule (and of the phase).")
     add("--warmup_proportion", type=float, default=0.01, help="Warm-up fraction of --max_steps.")
     add("--scheduler_degree", type=float, default=1.0, help="Exponent of the polynomial decay.")
-    add("--constant_proportion", type=float, default=0.0, help="Fraction of --max_steps held at the base LR after warm-up.")
+    add("--constant_proportion", type=float, default=0.0,
+        help="Fraction of --max_steps held at the base LR after warm-up.")
     add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
     add("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
     add("--log_freq", type=float, default=1.0, help="Log every this many optimizer steps.")
-    add("--resume_from_checkpoint", action="store_true", help="Resume from --output_dir (fresh start, said so, if it holds no checkpoint).")
+    add("--resume_from_checkpoint", action="store_true",
+        help="Resume from --output_dir (fresh start, said so, if it holds no checkpoint).")
     add("--resume_step", type=int, default=-1, help="Tag to resume from; -1 = the 'latest' checkpoint.")
     add("--num_steps_per_checkpoint", type=int, default=100, help="Save every N optimizer steps of this run.")
     add("--skip_checkpoint", action="store_true", help="Never save checkpoints.")
-    add("--phase2", action="store_true", help="Start phase 2 from a phase-1 checkpoint: reset step counters and scheduler, keep moments.")
+    add("--phase2", action="store_true",
+        help="Start phase 2 from a phase-1 checkpoint: reset step counters and scheduler, keep moments.")
     add("--phase1_end_step", type=int, default=7038, help="Global step at which phase 1 ended.")
     add("--json-summary", dest="json_summary", default="results/dllogger.json", help="dllogger JSON stream (rank 0).")
     add("--disable_progress_bar", action="store_true", help="No tqdm bar on rank 0.")
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lans_blocks", choices=("tensor", "partition"), default="tensor",
         help="LANS under ZeRO-1/2: norms and trust ratios per model tensor (across ranks; the paper's), "
              "or per flat partition of each rank (the reference's; depends on the number of ranks).")
-    add("--use_lr_scheduler", action="store_true", help="PolyWarmUpScheduler (else the DeepSpeed JSON's scheduler, or constant LR).")
+    add("--use_lr_scheduler", action="store_true",
+        help="PolyWarmUpScheduler (else the DeepSpeed JSON's scheduler, or constant LR).")
     add("--disable_random_sampler", action="store_true", help="Read shards and samples in order (debugging).")
     add("--checkpoint_activations", action="store_true", help="Recompute encoder activations in the backward pass.")
     add("--checkpoint_activations_interval", type=int, default=1, help="Layers per checkpointed chunk.")
@@ -95,15 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     # Additions of this repository.
     add("--keep_last_n_checkpoints", type=int, default=0, help="Keep only the newest N checkpoints (0 = keep all).")
     add("--max_bad_steps", type=int, default=10, help="Stop after this many consecutive steps with a non-finite loss.")
-    add("--skip_bad_shards", action="store_true", help="Skip (and count) a shard that fails to read mid-epoch instead of stopping.")
-    add("--init_checkpoint", default=None, help="Start from these weights (checkpoint tag dir or state-dict file) with a fresh optimizer.")
+    add("--skip_bad_shards", action="store_true",
+        help="Skip (and count) a shard that fails to read mid-epoch instead of stopping.")
+    add("--init_checkpoint", default=None,
+        help="Start from these weights (checkpoint tag dir or state-dict file) with a fresh optimizer.")
     add("--data_memory_budget_mb", type=float, default=256, help="Memory per rank for the data window being read.")
     add("--peak_tflops", type=float, default=None, help="Matmul peak of one device for the logged MFU, TFLOP/s "
         "(default: the datasheet bf16 figure of a known Gaudi/NVIDIA device, else measured at start-up).")
     add("--skip_memory_check", action="store_true", help="Train even when the memory planner (sizing.py) predicts "
         "that the run does not fit the device.")
     add("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded from an s3:// "
-        "--input_dir (one subdirectory per server, shared by its ranks) and for checkpoints on their way to an s3:// --output_dir.")
+        "--input_dir (one subdirectory per server, shared by its ranks) and for checkpoints on their way to an "
+        "s3:// --output_dir.")
     add("--s3_cache_gb", type=float, default=50, help="Bound of each server's S3 shard cache, GiB (at least the "
         "largest shard; two shards or more let the next shard download while one is read).")
     add("--s3_endpoint_url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).")
@@ -148,7 +155,8 @@ def validate_args(args, world_size: int) -> tuple:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     runtime.check_profiler(args.profile, args.profile_steps, args.use_hpu)
     runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode)
-    for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps", "checkpoint_activations_interval"):
+    for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps",
+                 "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
     for name in ("seed", "keep_last_n_checkpoints"):  # numpy seeds are non-negative; 0 = keep all
@@ -168,7 +176,8 @@ def validate_args(args, world_size: int) -> tuple:
     # Another rank's write probe (below) may be there for a moment: it does not count.
     if (copies is None and output_dir.is_dir() and not args.resume_from_checkpoint
             and any(not p.name.startswith(runtime.WRITE_PROBE_PREFIX) for p in output_dir.iterdir())):
-        raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint or use an empty directory")
+        raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint "
+                         "or use an empty directory")
     if copies is None:
         runtime.check_writable_directory(output_dir, "--output_dir")
     else:  # checkpoints are written there before they are copied to S3
@@ -333,7 +342,8 @@ def restore_state(args, checkpoint_dir, engine, optimizer, config: BertConfig, d
         checkpointing.restore_rng_state(rank_state["rng"])
     if args.phase2 and state.phase == 1:
         if state.global_step != args.phase1_end_step:
-            raise InputError(f"checkpoint {tag} is at step {state.global_step}, but --phase1_end_step is {args.phase1_end_step}")
+            raise InputError(f"checkpoint {tag} is at step {state.global_step}, "
+                             f"but --phase1_end_step is {args.phase1_end_step}")
         start_phase2(engine, optimizer, fresh_schedule)
         state = TrainState(phase=2)  # phase 2 reads its own data from position 0
     else:
@@ -617,8 +627,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     log_parameters(logger, args, ds_config)
     check_memory(args, device, ds_config, model_config, data, world, say)
-    peak, peak_source = hardware.peak_tflops(device, torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32,
-                                             args.peak_tflops)
+    peak_dtype = torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32
+    peak, peak_source = hardware.peak_tflops(device, peak_dtype, args.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
     logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     model = build_model(args, model_config)
@@ -655,9 +665,11 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
     model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
-    summary = {"e2e_train_time": time.perf_counter() - started, "training_sequences_per_second": sequences / raw_train_time,
+    summary = {"e2e_train_time": time.perf_counter() - started,
+               "training_sequences_per_second": sequences / raw_train_time,
                "model_tflops": model_tflops, "mfu": model_tflops / peak,
-               "training_tokens_per_second": sequences * data.seq_len / raw_train_time, "raw_train_time": raw_train_time,
+               "training_tokens_per_second": sequences * data.seq_len / raw_train_time,
+               "raw_train_time": raw_train_time,
                "final_loss": final["final_loss"], "global_step": state.global_step, "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
     logger.log(step=(), data=summary)

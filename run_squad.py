@@ -24,8 +24,8 @@ from pathlib import Path
 import finetuning
 import squad_metrics
 from common.atomic_write import write_text_atomically
-from data import squad
 from common.errors import InputError
+from data import squad
 from modeling import BertForQuestionAnswering
 
 

@@ -78,7 +78,7 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
     local_rank = int(os.environ.get("LOCAL_RANK", max(local_rank, 0)))
     if use_hpu:
         try:
-            import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
+            import habana_frameworks.torch.core  # registers the hpu device
             import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers hccl)
         except ImportError as err:
             raise InputError(f"--use_hpu needs the SynapseAI PyTorch bridge (habana_frameworks): {err}") from err
@@ -160,7 +160,8 @@ def describe_collective_failure(err: Exception):
         address = gone.group(1)
         peers = [f"rank {r} on {h}" for r, h in enumerate(hosts) if address and f"({address})" in h]
         who = " or ".join(peers) or (f"the rank at {address}" if address else "another rank")
-        return f"{me}: the connection to {who} broke during a collective: that rank died; the job stops ({one_line(err, 200)})"
+        return (f"{me}: the connection to {who} broke during a collective: that rank died; "
+                f"the job stops ({one_line(err, 200)})")
     others = ", ".join(f"rank {r} on {h}" for r, h in enumerate(hosts) if r != rank)
     return (f"{me}: a collective got no answer within --collective_timeout_s {_JOB['timeout_s']:g} s: another "
             f"rank died or stalled (the others: {others}); the job stops")

@@ -142,7 +142,8 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     gradients = element * (partition if run.zero_stage == 2 else params)
     fp32_gradients = 4 * partition if (run.bf16 or run.zero_stage >= 1) else 0
     chunked = run.on_cpu and run.optimizer in CPU_CHUNKED_OPTIMIZERS
-    optimizer_step = gradients + fp32_gradients + (0 if chunked else OPTIMIZER_TEMPORARIES[run.optimizer] * 4 * partition)
+    optimizer_step = (gradients + fp32_gradients
+                      + (0 if chunked else OPTIMIZER_TEMPORARIES[run.optimizer] * 4 * partition))
     parts["gradients"] = gradients
     parts["peak_transient"] = max(head_backward, optimizer_step)
     parts["peak_moment"] = "backward (MLM head)" if head_backward >= optimizer_step else "optimizer step"

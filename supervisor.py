@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from preflight import REPO_ROOT, PreflightError, hosts_for_job, parse_hostfile, problems_by_host, read_batch_arithmetic
@@ -116,7 +116,8 @@ class RestartBudget:
         while self.restart_times and now - self.restart_times[0] > self.window_s:
             self.restart_times.popleft()
         if len(self.restart_times) >= self.max_restarts:
-            return f"{len(self.restart_times)} restarts within the last {self.window_s:g} s (--max_restarts, --restart_window_s)"
+            return (f"{len(self.restart_times)} restarts within the last {self.window_s:g} s "
+                    "(--max_restarts, --restart_window_s)")
         self.restart_times.append(now)
         return None
 
@@ -224,8 +225,10 @@ class Supervisor:
         why_left = {name: problems[name][0] if problems.get(name) else "passes, but the global batch needs fewer hosts"
                     for name in left}
         reason = outcome.reason or f"the job exited with status {outcome.status}"
-        print(f"supervisor: restart {restarts} (at most {self.args.max_restarts} within {self.args.restart_window_s:g} s) "
-              f"at {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC after: {reason}; resuming from {resume_point(outcome)} on "
+        print(f"supervisor: restart {restarts} "
+              f"(at most {self.args.max_restarts} within {self.args.restart_window_s:g} s) "
+              f"at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC after: {reason}; "
+              f"resuming from {resume_point(outcome)} on "
               f"{len(chosen)} host(s) {','.join(chosen)}; left out: "
               f"{'; '.join(f'{name} ({why})' for name, why in why_left.items()) or 'none'}; "
               f"back: {','.join(back) or 'none'}", flush=True)

@@ -44,8 +44,8 @@ def group_partitions(engine_optimizer) -> list | None:
     (ZeRO-0: the client optimizer itself or a wrapper holding whole tensors)."""
     for params_attr, flat_attr in _LAYOUTS:
         if hasattr(engine_optimizer, params_attr) and hasattr(engine_optimizer, flat_attr):
-            return [GroupPartition(flat, list(params), _fragments(params))
-                    for params, flat in zip(getattr(engine_optimizer, params_attr), getattr(engine_optimizer, flat_attr))]
+            groups = zip(getattr(engine_optimizer, params_attr), getattr(engine_optimizer, flat_attr))
+            return [GroupPartition(flat, list(params), _fragments(params)) for params, flat in groups]
     return None
 
 

@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 import run_pretraining
 from data.shard_format import write_shard
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
@@ -215,8 +214,10 @@ def report(args, load_before, driver_runs, compiled_runs, plain_runs):
     eager_step = report_mfu(args, "driver", driver_runs)
     if compiled_runs:
         compiled_step = report_mfu(args, "driver --enable_torch_compile", compiled_runs)
+        per_repeat = ", ".join(f"{sum(e[3].values()) / sum(c[3].values()):.3f}"
+                               for e, c in zip(driver_runs, compiled_runs))
         print(f"steps after the first, eager / compiled step time = {eager_step / compiled_step:.3f} "
-              f"(best runs; per repeat: {', '.join(f'{sum(e[3].values()) / sum(c[3].values()):.3f}' for e, c in zip(driver_runs, compiled_runs))})")
+              f"(best runs; per repeat: {per_repeat})")
 
 
 def report_mfu(args, name, runs) -> float:
@@ -227,7 +228,8 @@ def report_mfu(args, name, runs) -> float:
           f"{summary['model_tflops']:.4f} model TFLOP/s, MFU {summary['mfu']:.1%} of the {peak:.3f} TFLOP/s peak the "
           f"driver measured at start-up (its log says which product); all steps, the first included")
     step_time = sum(breakdown.values())
-    steady_tflops = args.micro * args.gas / step_time * summary["model_tflops"] / summary["training_sequences_per_second"]
+    steady_tflops = (args.micro * args.gas / step_time * summary["model_tflops"]
+                     / summary["training_sequences_per_second"])
     print(f"{name}, steps after the first: {step_time:.3f} s per optimizer step, MFU {steady_tflops / peak:.1%}; "
           + ", ".join(f"{phase} {seconds:.3f} s ({seconds / step_time:.1%})" for phase, seconds in breakdown.items())
           + " (rest: the driver outside DeepSpeed's forward/backward/step: data, loss, logging)")

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 import zero_partitions
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import build_optimizer, get_parameter_groups

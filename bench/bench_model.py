@@ -195,7 +195,8 @@ def run_shape(name, config, batch_size, args):
         results = time_alternating(contenders, batch, MODES[mode], args.steps, args.warmup)
         ours, theirs = results[0], results[1]
         for contender, times in zip(contenders, results):
-            ratios = "" if contender.name == "HF" else f"{theirs['step'] / times['step']:>8.2f} {ours['step'] / times['step']:>9.2f}"
+            ratios = ("" if contender.name == "HF"
+                      else f"{theirs['step'] / times['step']:>8.2f} {ours['step'] / times['step']:>9.2f}")
             print(f"{mode:<6} {contender.name:<8} {times['step']:>9.1f} {times['forward']:>9.1f} "
                   f"{times['backward']:>9.1f} {times['optimizer']:>9.1f} {ratios}")
         if args.profile:

@@ -5,7 +5,8 @@ Same parameters, same random gradients, steps alternating between the two; print
 the ratio and the largest weight difference to the baseline at the end (useful against another lans.py).
 
     python bench/bench_optimizer.py                     # LANS vs AdamW at the three shapes
-    git show 09ba398:lans.py > /tmp/lans_before.py && python bench/bench_optimizer.py --baseline_lans /tmp/lans_before.py
+    git show 09ba398:lans.py > /tmp/lans_before.py
+    python bench/bench_optimizer.py --baseline_lans /tmp/lans_before.py
 """
 
 import argparse

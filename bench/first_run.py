@@ -112,7 +112,8 @@ def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micr
             "--learning_rate", "0.0015", "--warmup_proportion", "0.05", "--max_steps", "1000",
             "--steps_this_run", str(args.steps), "--max_predictions_per_seq", str(MAX_PRED), "--log_freq", "1",
             "--skip_checkpoint", "--disable_progress_bar", "--deepspeed", "--deepspeed_config", str(ds_config)]
-    argv += ["--use_hpu"] * args.use_hpu + ["--no_cuda"] * (device_type == "cpu") + ["--enable_torch_compile"] * (mode == "compile")
+    argv += (["--use_hpu"] * args.use_hpu + ["--no_cuda"] * (device_type == "cpu")
+             + ["--enable_torch_compile"] * (mode == "compile"))
     try:
         with hardware.PeakAllocated(torch.device(device_type)) as measured:
             summary = run_pretraining.main(argv)
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
     kind = "tiny" if args.tiny else "cpu" if device_type == "cpu" else "accelerator"
     runs = TINY_RUNS if args.tiny else FULL_RUNS
     wanted = args.modes.split(",")
-    modes = ["eager"] * ("eager" in wanted) + ["compile"] * ("compile" in wanted and driver_accepts("--enable_torch_compile"))
+    modes = (["eager"] * ("eager" in wanted)
+             + ["compile"] * ("compile" in wanted and driver_accepts("--enable_torch_compile")))
     with tempfile.TemporaryDirectory() as scratch:
         work_dir = Path(args.work_dir or scratch)
         print(f"== building the sample data in {work_dir / 'data'}")
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
             continue
         sequences, mfu, measured, planned, loss = result
         label = f"{name}, {mode}"
-        ok &= verdict(f"{label}: finite loss", float(loss == loss and abs(loss) != float("inf")), (1, 1), f"final loss {loss:.4f}")
+        ok &= verdict(f"{label}: finite loss", float(loss == loss and abs(loss) != float("inf")), (1, 1),
+                      f"final loss {loss:.4f}")
         ok &= verdict(f"{label}: MFU", mfu, MFU_RANGE[kind], f"{sequences:.1f} sequences/s, MFU {mfu:.1%}")
         memory_range = MEMORY_RATIO_RANGE["cpu" if device_type == "cpu" else "accelerator"]
         ok &= verdict(f"{label}: peak memory / planned", measured / planned, memory_range,

@@ -25,8 +25,8 @@ import urllib.request
 from pathlib import Path
 
 from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically
-from data import create_pretraining_data, sharding
 from common.errors import InputError
+from data import create_pretraining_data, sharding
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_WIKI_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"

@@ -48,11 +48,10 @@ if __name__ == "__main__":  # run as a tool: it uses no BLAS, and OpenBLAS's thr
 import numpy as np
 from tqdm import tqdm
 
-from common import atomic_write
-from common import storage
+from common import atomic_write, storage
+from common.errors import InputError
 from data.shard_format import ShardError, ShardWriter
 from data.tokenization import load_tokenizer
-from common.errors import InputError
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time

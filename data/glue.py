@@ -137,7 +137,10 @@ def convert_examples_to_features(examples: list, task: Task, tokenizer, max_seq_
     [CLS] A [SEP], 1 for B [SEP]; zero padding. Returns int64 tensors input_ids, token_type_ids,
     attention_mask [N, max_seq_length] and labels [N] (float32 for regression; absent for test sets)."""
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    encode = lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
+
+    def encode(texts):
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     tokens_a = encode([example.text_a for example in examples])
     tokens_b = encode([example.text_b or "" for example in examples])
     input_ids = np.zeros((len(examples), max_seq_length), dtype=np.int64)

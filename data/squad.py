@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.tokenization import load_tokenizer
 from common.errors import InputError
+from data.tokenization import load_tokenizer
 
 CLS_POSITION = 0
 

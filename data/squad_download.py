@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from data.bert_prep import fetch_verified
 from common.errors import InputError
+from data.bert_prep import fetch_verified
 
 DEFAULT_BASE_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset"
 SHA256 = {

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    for version, paths in written.items():
+    for paths in written.values():
         counts = [sum(len(p["qas"]) for p in json.loads(path.read_text())["data"][0]["paragraphs"]) for path in paths]
         print(f"wrote {paths[0]} ({counts[0]} questions) and {paths[1].name} ({counts[1]})")
     print(f"run_squad.sh: SQUAD_DIR={args.output_dir}/v1.1, or SQUAD_VERSION=v2.0 SQUAD_DIR={args.output_dir}/v2.0")

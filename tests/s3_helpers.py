@@ -46,7 +46,7 @@ class MotoServer:
                 return
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start: see {log_path}")
+                    raise RuntimeError(f"moto_server did not start: see {log_path}") from None
                 time.sleep(0.2)
 
     def stop(self):

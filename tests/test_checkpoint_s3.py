@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import s3_helpers
 import checkpointing
+import s3_helpers
 from common import storage
 
 

@@ -446,8 +446,8 @@ def test_blocks_hold_at_least_two_documents(tmp_path, sizes, block_chars, expect
 def test_a_long_document_is_cut_and_an_endless_line_refused(monkeypatch, tmp_path):
     """Memory stays bounded whatever the input: a document is cut between lines once it reaches
     block_chars, and a line longer than MAX_LINE_CHARS is one clear error."""
-    from data import create_pretraining_data
     from common.errors import InputError
+    from data import create_pretraining_data
 
     lines = [f"line {i} " + "x" * 20 for i in range(40)]  # 40 lines of 27 or 28 characters, one document
     write_corpus(tmp_path / "in.txt", [lines])

@@ -3,7 +3,6 @@ data/verify_hdf5.py) on the committed sample corpus, offline."""
 import bz2
 import hashlib
 import http.server
-import os
 import shutil
 import subprocess
 import sys

@@ -3,7 +3,6 @@ committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher 
 The demo is deterministic, so its losses must be the ones the documentation quotes."""
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -62,8 +61,8 @@ def stale_figures(measured: dict, quotes: dict) -> list:
 def run_demo(tmp_path, **settings):
     # PYTHONPATH: the demo's processes import this checkout as the suite does, and setup_venv.sh, finding the
     # project importable, leaves the environment as it is (no editable install into the suite's environment).
-    env = dict(helpers.checkout_env(), VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"), MASTER_PORT=str(helpers.free_port()),
-               **settings)
+    env = dict(helpers.checkout_env(), VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"),
+               MASTER_PORT=str(helpers.free_port()), **settings)
     run = subprocess.run(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -355,7 +355,8 @@ BAD_INPUTS = {
     "shard_wrong_shape": (mismatched_rows, {}, "'next_sentence_labels' has 2 rows"),
     "token_id_beyond_vocab": (id_beyond_vocab, {"disable_random_sampler": True},
                               "sample 3: token id 40000 outside \\[0, 30522\\)"),
-    "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}}, "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 1: "
+    "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}},
+                         "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 1: "
                          "this global batch cannot be kept"),
     "output_dir_not_empty": ("occupied", {}, "is not empty: pass --resume_from_checkpoint"),
     "output_dir_is_a_file": ("file_in_the_way", {"output_dir": "in_the_way"}, "--output_dir .*in_the_way exists and "
@@ -420,7 +421,8 @@ def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shard
     monkeypatch.setattr(rp, "train_step", lambda *args: steps.append(args))
     locked = tmp_path / "locked"
     locked.mkdir()
-    out, log = (locked / "out", tmp_path / "log.json") if where == "output_dir" else (tmp_path / "out", locked / "log.json")
+    out, log = ((locked / "out", tmp_path / "log.json") if where == "output_dir"
+                else (tmp_path / "out", locked / "log.json"))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     with read_only(locked):
         assert rp.cli(helpers.driver_argv(tiny_shards, out, ds_config, json_summary=log)) == 1
@@ -477,7 +479,8 @@ def test_tensorboard_without_its_package_is_a_clear_error(tmp_path, tiny_shards,
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",  # as on a machine without the package
                         lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a))
-    ds_config = helpers.write_ds_config(tmp_path / "ds.json", tensorboard={"enabled": True, "output_path": str(tmp_path)})
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json",
+                                        tensorboard={"enabled": True, "output_path": str(tmp_path)})
     assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)) == 1
     assert "enables TensorBoard but the tensorboard package is not installed" in capsys.readouterr().err
 
@@ -684,6 +687,7 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, monkeypa
     stop flag, its mean loss]); the step's mean loss must be (this rank's mean + the other's) / 2, a
     non-finite loss on the other rank must skip the update here, and its stop request must stop this rank."""
     import deepspeed
+
     from data.dataset import RankBatches, WindowReader, scan_shards
     from modeling import BertConfig, BertForPreTraining
 
@@ -747,8 +751,9 @@ def test_resume_with_another_schedule_follows_the_new_flags(tmp_path, tiny_shard
     new_max, new_lr = resume_flags["max_steps"], resume_flags.get("learning_rate", 0.01)
     changed = [f"--max_steps {first_max} -> {new_max}"] if new_max != first_max else []
     changed += ["--learning_rate 0.01 -> 0.02"] if new_lr != 0.01 else []
-    assert re.search(rf"the LR schedule changed since the checkpoint \({', '.join(changed)}\): from step {saved_at + 1} "
-                     r"on, the LR follows the new flags .*the LR curve bends there", said), said
+    assert re.search(rf"the LR schedule changed since the checkpoint \({', '.join(changed)}\): "
+                     rf"from step {saved_at + 1} on, the LR follows the new flags .*the LR curve bends there",
+                     said), said
     records = helpers.step_records(tmp_path / "dllogger.json")
     assert [r["step"][1] for r in records] == list(range(1, new_max + 1))  # both runs, in one file
     logged = {r["step"][1]: r["data"]["learning_rate"] for r in records}
@@ -767,7 +772,7 @@ def test_resume_with_the_same_flags_says_nothing_about_the_schedule(tmp_path, ti
 
 
 def test_a_fresh_run_replaces_the_dllogger_json(tmp_path, tiny_shards):
-    (tmp_path / "dllogger.json").write_text("DLLL {\"type\": \"LOG\", \"step\": [0, 7], \"data\": {\"step_loss\": 1}}\n")
+    (tmp_path / "dllogger.json").write_text('DLLL {"type": "LOG", "step": [0, 7], "data": {"step_loss": 1}}\n')
     run(tmp_path, tiny_shards, stage=0, bf16=False, log_freq=1, max_steps=2, skip_checkpoint=True)
     assert [r["step"][1] for r in helpers.step_records(tmp_path / "dllogger.json")] == [1, 2]
 

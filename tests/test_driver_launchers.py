@@ -35,9 +35,11 @@ def stub_launcher(tmp_path):
     pdsh.chmod(0o755)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    env = dict(helpers.environ_without_rank(), PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
+    env = dict(helpers.environ_without_rank(),
+               PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
                HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
-               # the launchers check that HL_DEVICE's devices exist: the stand-in bridge reports STUB_HPU_COUNT (8) Gaudis
+               # the launchers check that HL_DEVICE's devices exist: the stand-in bridge reports
+               # STUB_HPU_COUNT (8) Gaudis
                PYTHONPATH=os.pathsep.join([str(helpers.FAKE_HABANA), os.environ.get("PYTHONPATH", "")]))
     return env, tmp_path
 
@@ -110,8 +112,10 @@ def launch(script, env):
 
 
 @pytest.mark.parametrize("script,nodes,max_steps,per_cp,log_freq,config,ds_config,extra", [
-    ("run_bert_1.5b_8x.sh", "1", "155000", "200", "10", "bert_1.5b_config.json", "deepspeed_config_bert_1.5b.json", []),
-    ("run_bert_1.5b_32x.sh", "4", "155000", "200", "10", "bert_1.5b_config.json", "deepspeed_config_bert_1.5b.json", []),
+    ("run_bert_1.5b_8x.sh", "1", "155000", "200", "10", "bert_1.5b_config.json", "deepspeed_config_bert_1.5b.json",
+     []),
+    ("run_bert_1.5b_32x.sh", "4", "155000", "200", "10", "bert_1.5b_config.json", "deepspeed_config_bert_1.5b.json",
+     []),
     ("run_bert_5b_128x.sh", "16", "75000", "120", "1", "bert_5b_config.json", "deepspeed_config_bert_5b.json",
      ["--checkpoint_activations"]),
 ])
@@ -126,11 +130,13 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
     python_at = args.index(str(helpers.VENV_BIN / "python"))  # absolute: ssh's PATH on another server differs
     launcher, program = args[:args.index("env")], args[python_at:]  # env: the ranks' HPU settings (test_gaudi_lazy)
     if nodes != "1":  # several servers, under supervisor.py: the job's hosts, the first as master
-        assert launcher[:2] == ["--num_nodes", nodes] and launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
+        assert launcher[:2] == ["--num_nodes", nodes]
+        assert launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
         assert launcher[2] == "--hostfile" and launcher[4:8] == ["--master_addr", hosts[0], "--master_port", "29500"]
-        assert f"supervisor: restart" not in result.stdout and result.stdout.splitlines()[0].startswith("deepspeed --num_nodes")
+        assert "supervisor: restart" not in result.stdout and result.stdout.splitlines()[0].startswith("deepspeed --num_nodes")
     else:
-        assert launcher == ["--num_nodes", "1", "--num_gpus", "8", "--no_local_rank", "--no_python", "--master_port", "29500"]
+        assert launcher == ["--num_nodes", "1", "--num_gpus", "8", "--no_local_rank", "--no_python",
+                            "--master_port", "29500"]
     assert program[1:3] == ["-u", "./run_pretraining.py"]
     for expected in ("--use_hpu", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
                      "--seed=12439", "--max_predictions_per_seq=20",
@@ -195,7 +201,8 @@ def test_missing_data_dir_fails_early_with_a_clear_message(stub_launcher):
     result = launch("run_bert_1.5b_8x.sh", env)
     assert result.returncode == 1
     assert result.stderr.strip() == (f"error: data directory {tmp_path / 'nowhere'} does not exist (set "
-                                     "HL_DATA_DIR_ROOT or HL_DATA_DIR; build it with data/create_datasets_from_start.sh)")
+                                     "HL_DATA_DIR_ROOT or HL_DATA_DIR; "
+                                     "build it with data/create_datasets_from_start.sh)")
     assert not (tmp_path / "args").exists()
 
 
@@ -326,7 +333,8 @@ def test_glue_launcher_takes_its_earlier_variable_names(stub_launcher):
     (tmp_path / "ds.json").write_text("{}")
     env.pop("HL_RESULTS_DIR")
     env = ready_to_launch("run_glue.sh", dict(env, DEVICE="cpu", NUM_DEVICES="3", OUTPUT_DIR=str(tmp_path / "out"),
-                                              DEEPSPEED_CONFIG=str(tmp_path / "ds.json"), MASTER_PORT="29555"), tmp_path)
+                                              DEEPSPEED_CONFIG=str(tmp_path / "ds.json"), MASTER_PORT="29555"),
+                          tmp_path)
     assert launch("run_glue.sh", env).returncode == 0
     args = (tmp_path / "args").read_text().splitlines()
     for flag, value in (("--num_gpus", "3"), ("--master_port", "29555"), ("--output_dir", str(tmp_path / "out")),
@@ -365,6 +373,7 @@ def test_fine_tuning_launchers_resume_and_refuse_checkpoints_of_other_weights(st
     other.mkdir()
     refused = launch(script, dict(env, INIT_CHECKPOINT=str(other)))
     assert (refused.returncode, refused.stdout) == (1, "")
-    assert refused.stderr == (f"error: {tmp_path / 'results' / 'checkpoints'} holds a fine-tuning of {tmp_path}, not of "
-                              f"INIT_CHECKPOINT {other}: set HL_RESULTS_DIR to a new directory (or remove that one)\n")
+    assert refused.stderr == (f"error: {tmp_path / 'results' / 'checkpoints'} holds a fine-tuning of {tmp_path}, "
+                              f"not of INIT_CHECKPOINT {other}: set HL_RESULTS_DIR to a new directory "
+                              "(or remove that one)\n")
     assert not (tmp_path / "args").exists()

@@ -23,10 +23,19 @@ import pytest
 import torch
 
 import checkpointing
-import run_pretraining
-from test_resume import (HOLD_LINE, SHARD_SIZES, STEP_LOSS, checkpoint_differences, driver_args, ds_config, finish,
-                         start, step_losses)
 import helpers
+import run_pretraining
+from test_resume import (
+    HOLD_LINE,
+    SHARD_SIZES,
+    STEP_LOSS,
+    checkpoint_differences,
+    driver_args,
+    ds_config,
+    finish,
+    start,
+    step_losses,
+)
 
 KILLS = 20
 TARGET_STEPS = 48          # 192 samples: the runs cross two epoch boundaries (81 samples each)
@@ -177,7 +186,8 @@ def test_twenty_random_kills_then_same_result(tmp_path, monkeypatch):
         holds += held
         history.append((kill, status, latest_step(out)))
         if kill:
-            assert status == -signal.SIGKILL, f"run {len(outputs)}: kill {kill} not delivered ({status}):\n{output[-3000:]}"
+            assert status == -signal.SIGKILL, \
+                f"run {len(outputs)}: kill {kill} not delivered ({status}):\n{output[-3000:]}"
             kills += 1
             broken_latest += not latest_is_complete(out)
         else:
@@ -191,7 +201,7 @@ def test_twenty_random_kills_then_same_result(tmp_path, monkeypatch):
     mismatches = loss_mismatches + tensor_mismatches + broken_latest
     print(f"\nfault injection ({per_save} calls per save): {kills} kills ({holds} outside kills held at the "
           f"window's end), {resumes} resumes, {len(outputs)} runs, "
-          f"{mismatches} mismatches ({loss_mismatches} step losses, {tensor_mismatches} checkpoint tensors, {broken_latest} unusable "
-          f"`latest`); kills: {[k for k, s, _ in history if s == -signal.SIGKILL]}")
+          f"{mismatches} mismatches ({loss_mismatches} step losses, {tensor_mismatches} checkpoint tensors, "
+          f"{broken_latest} unusable `latest`); kills: {[k for k, s, _ in history if s == -signal.SIGKILL]}")
     assert kills == KILLS
     assert mismatches == 0

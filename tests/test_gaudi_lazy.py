@@ -9,7 +9,6 @@ no graphs), and anything past the process group's start with --use_hpu (no hccl 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -138,7 +137,8 @@ def recording_deepspeed(tmp_path):
     (bin_dir / "deepspeed").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path / "args"}\n')
     (bin_dir / "deepspeed").chmod(0o755)
     (tmp_path / "data").mkdir()
-    env = dict(helpers.environ_without_rank(), PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]),
+    env = dict(helpers.environ_without_rank(),
+               PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]),
                HL_DATA_DIR=str(tmp_path / "data"), HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
                HL_NUM_NODES="1", PYTHONPATH=str(FAKE_HABANA))  # the launchers' device check finds 8 Gaudis
     for name in HPU_SETTINGS:

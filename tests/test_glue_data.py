@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import glue_metrics
+from common.errors import InputError
 from data.glue import TASKS, convert_examples_to_features, read_examples, truncate_pair
 from data.tokenization import load_tokenizer
-from common.errors import InputError
 from finetune_helpers import REPO_ROOT, book_sentences
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
@@ -167,7 +167,8 @@ def test_pair_features_are_cls_a_sep_b_sep_with_segments_and_padding(tmp_path):
     assert len(expected) <= 96
     assert features["input_ids"][0, :len(expected)].tolist() == expected
     assert features["input_ids"][0, len(expected):].eq(0).all()
-    assert features["token_type_ids"][0].tolist() == [0] * (len(a) + 2) + [1] * (len(b) + 1) + [0] * (96 - len(expected))
+    assert features["token_type_ids"][0].tolist() == ([0] * (len(a) + 2) + [1] * (len(b) + 1)
+                                                      + [0] * (96 - len(expected)))
     assert features["attention_mask"][0].tolist() == [1] * len(expected) + [0] * (96 - len(expected))
     assert features["labels"].tolist() == [0, 1] and features["labels"].dtype == torch.int64
     short = convert_examples_to_features(examples, TASKS["rte"], tokenizer, max_seq_length=16)

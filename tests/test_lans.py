@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lans import LANS
+from lans import LANS, TensorSegments
 from optim_helpers import apply_steps, assert_weights_close, make_problem, norm, run_optimizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -308,8 +308,6 @@ def test_lans_with_poly_scheduler_under_deepspeed_zero1(tmp_path):
 # concatenation (as ZeRO-1/2 do), runs in its own thread, and sums its partial norms with the
 # others through a barrier-synchronised fake all-reduce. The per-tensor result must be the
 # float64 reference's whatever the number of ranks; without segments it must not be.
-
-from lans import TensorSegments  # noqa: E402
 
 
 def split_like_zero(tensors, world, alignment=2):

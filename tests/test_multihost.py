@@ -171,7 +171,8 @@ def test_a_dead_rank_ends_the_job_in_time_and_a_resume_completes(test_hosts, job
 def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, job):
     """SIGSTOP of the rank on host 2 (it neither answers nor dies): the rank on host 1 gives up after
     --collective_timeout_s, in DeepSpeed's own process groups too (they ignored the timeout: 30 min), with
-    the line naming the others. The frozen process itself must be ended from outside (docs/several-servers.md): SIGKILL."""
+    the line naming the others. The frozen process itself must be ended from outside (docs/several-servers.md):
+    SIGKILL."""
     results, timeout_s = job["root"] / "stalled_rank", 10
     process, _, _ = start_long_job(test_hosts, job, results, f"--collective_timeout_s={timeout_s}")
     log = results.parent / "stalled_rank.log"
@@ -189,7 +190,7 @@ def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, jo
             process.kill()
     print(f"the stall was reported {elapsed:.1f} s after SIGSTOP")
     line = next(line for line in log.read_text().splitlines() if "a collective got no answer" in line)
-    assert f"error: rank 0 on" in line and f"within --collective_timeout_s {timeout_s} s" in line and "rank 1 on" in line
+    assert "error: rank 0 on" in line and f"within --collective_timeout_s {timeout_s} s" in line and "rank 1 on" in line
     assert timeout_s <= elapsed < timeout_s + 15 and status != 0
 
 

@@ -32,8 +32,8 @@ def test_a_cpu_launch_has_no_cuda_visible_devices_line_and_a_failing_rank_still_
     env = dict(os.environ, HL_DEVICE="cpu", NUM_NODES="1", NGPU_PER_NODE="2", HL_NGPU_PER_NODE="2",
                RESULTS_DIR=str(tmp_path), REPO_ROOT=str(REPO_ROOT), HL_MASTER_PORT=str(free_port()))
     rank = 'import sys; print("rank up"); sys.exit(3)'
-    result = subprocess.run(["bash", "-c", f'source scripts/launch_common.sh; device_args; find_launcher_and_python; '
-                             f'rendezvous_args; launch_ranks -c "$0"', rank], cwd=REPO_ROOT, env=env,
+    result = subprocess.run(["bash", "-c", 'source scripts/launch_common.sh; device_args; find_launcher_and_python; '
+                             'rendezvous_args; launch_ranks -c "$0"', rank], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode == 3 and output.splitlines().count("rank up") == 2, output

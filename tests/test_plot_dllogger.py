@@ -1,6 +1,7 @@
 """scripts/plot_dllogger.py: the PNG of a real run's dllogger JSON holds its loss and LR curves."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -56,8 +57,9 @@ def test_png_holds_the_loss_and_lr_points_of_the_log(run_log, tmp_path):
 
 def test_a_step_logged_twice_keeps_its_last_value(tmp_path):
     log = tmp_path / "resumed.json"
-    log.write_text("\n".join('DLLL {"type": "LOG", "step": [0, %d], "data": {"average_loss": %s, "learning_rate": 0.1}}'
-                             % (step, loss) for step, loss in ((1, 9.0), (2, 8.0), (2, 7.5), (3, 7.0))) + "\n")
+    log.write_text("".join("DLLL " + json.dumps({"type": "LOG", "step": [0, step],
+                                                  "data": {"average_loss": loss, "learning_rate": 0.1}}) + "\n"
+                           for step, loss in ((1, 9.0), (2, 8.0), (2, 7.5), (3, 7.0))))
     curves = load_script().read_curves(log)
     assert curves["average_loss"] == ([1, 2, 3], [9.0, 7.5, 7.0])
 

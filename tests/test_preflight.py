@@ -57,8 +57,10 @@ def test_hostfile_comments_and_blank_lines_are_ignored(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--num_nodes", 1, "--ngpu_per_node", 4], "train_batch_size 24 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 4"),
-    (["--num_nodes", 1, "--ngpu_per_node", 2, "--data_dir", "/nonexistent"], "data directory /nonexistent does not exist"),
+    (["--num_nodes", 1, "--ngpu_per_node", 4],
+     "train_batch_size 24 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 4"),
+    (["--num_nodes", 1, "--ngpu_per_node", 2, "--data_dir", "/nonexistent"],
+     "data directory /nonexistent does not exist"),
     (["--num_nodes", 2, "--ngpu_per_node", 1, "--hostfile", "/nonexistent"], "hostfile /nonexistent: No such file"),
 ])
 def test_local_problems_are_one_line(inputs, args, message):

@@ -16,7 +16,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,8 +26,8 @@ import psutil
 import pytest
 import torch
 
-import helpers
 import checkpointing
+import helpers
 import modeling
 import run_pretraining
 from common.errors import InputError

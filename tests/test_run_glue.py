@@ -12,8 +12,14 @@ import checkpointing
 import helpers
 import hf_interop
 import run_glue
-from finetune_helpers import (REPO_ROOT, TINY_CONFIG, assert_same_training, dropout_free_config,
-                              run_on_one_and_two_ranks, write_sst2_rule_task)
+from finetune_helpers import (
+    REPO_ROOT,
+    TINY_CONFIG,
+    assert_same_training,
+    dropout_free_config,
+    run_on_one_and_two_ranks,
+    write_sst2_rule_task,
+)
 from modeling import BertConfig
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
@@ -76,7 +82,8 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
                                   init_checkpoint=tmp_path / "other.pt")) == 1
     assert one_error_line(capsys).startswith("error: --init_checkpoint does not fit the model config (hidden 128")
     hf_interop.export_directory(BertForPreTraining(other).state_dict(), other, VOCAB, True, tmp_path / "hf")
-    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, init_checkpoint=tmp_path / "hf")) == 1
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
+                                  init_checkpoint=tmp_path / "hf")) == 1
     assert one_error_line(capsys).endswith("is for another model config: hidden_size 64 there, 128 in --config_file")
 
 
@@ -166,8 +173,9 @@ def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoin
 def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_checkpoint):
     """The ZeRO-1 checkpoint directory, its tag directory, `checkpointing.py export`'s file (+ --config_file)
     and our pre-LN `hf_interop.py export` directory all give the same weights."""
-    from finetuning import load_pretrained
     from types import SimpleNamespace
+
+    from finetuning import load_pretrained
 
     assert checkpointing.export_main(["export", "--output_dir", str(pretrained_tiny_checkpoint),
                                       "--out", str(tmp_path / "model.pt")]) == 0

@@ -8,8 +8,7 @@ import pytest
 import helpers
 import run_squad
 from data.squad_sample import sample_sentences, word_questions, write_squad
-from finetune_helpers import (REPO_ROOT, TINY_CONFIG, assert_same_training, dropout_free_config,
-                              run_on_one_and_two_ranks)
+from finetune_helpers import REPO_ROOT, TINY_CONFIG, assert_same_training, dropout_free_config, run_on_one_and_two_ranks
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -85,7 +84,8 @@ def test_flag_errors(tmp_path, capfd, squad_files, flags, message):
 
 
 def test_eval_needs_answers(tmp_path, capfd):
-    unanswered = write_squad(tmp_path / "test.json", [{"context": "Anne smiled.", "qas": [{"id": "1", "question": "?"}]}])
+    unanswered = write_squad(tmp_path / "test.json",
+                             [{"context": "Anne smiled.", "qas": [{"id": "1", "question": "?"}]}])
     status = run_squad.cli(squad_argv(tmp_path / "out", predict_file=unanswered, do_eval=True, do_train=True,
                                       train_file=unanswered))
     assert "has no 'answers'" in one_error_line(capfd, status)

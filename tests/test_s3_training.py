@@ -3,7 +3,6 @@ and writing shards to S3, and the driver training from S3 shards and checkpointi
 
 import argparse
 import gzip
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-import helpers
-import s3_helpers
 import checkpointing
 import finetuning
+import helpers
 import run_pretraining
-from common import storage
+import s3_helpers
 import test_resume  # (the driver under its kill wrapper, losses and checkpoint comparisons)
+from common import storage
 from data.shard_format import SHARD_KEYS
 
 DATA_TOOL = helpers.REPO_ROOT / "data" / "create_pretraining_data.py"
@@ -31,7 +30,8 @@ def book_text(name: str, lines: int = 400) -> str:
 
 
 def run_data_tool(*args, env=None):
-    return subprocess.run([sys.executable, str(DATA_TOOL), "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"),
+    return subprocess.run([sys.executable, str(DATA_TOOL),
+                           "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"),
                            "--max_seq_length", "64", "--max_predictions_per_seq", "10", "--dupe_factor", "1",
                            "--n_processes", "1", *map(str, args)], capture_output=True, text=True, timeout=300,
                           env=helpers.checkout_env(env))

@@ -7,9 +7,16 @@ import pytest
 import torch
 
 from lans import LANS
-from schedulers import (ConstantWarmUpScheduler, CosineWarmUpScheduler, LinearWarmUpScheduler,
-                        PolyWarmUpScheduler, constant_warmup_factor, cosine_warmup_factor,
-                        linear_warmup_factor, poly_warmup_factor)
+from schedulers import (
+    ConstantWarmUpScheduler,
+    CosineWarmUpScheduler,
+    LinearWarmUpScheduler,
+    PolyWarmUpScheduler,
+    constant_warmup_factor,
+    cosine_warmup_factor,
+    linear_warmup_factor,
+    poly_warmup_factor,
+)
 
 
 def expected_poly(t, T, warmup, constant, degree):

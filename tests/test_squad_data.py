@@ -406,7 +406,8 @@ def test_download_cli_rejects_wrong_content(tmp_path):
         (mirror / name).write_text('{"data": []}')
     result = subprocess.run([sys.executable, str(REPO_ROOT / "data" / "squad_download.py"), "--output_dir",
                              str(tmp_path / "squad"), "--versions", "v2.0"], capture_output=True, text=True,
-                            env={"SQUAD_BASE_URL": mirror.as_uri(), "PATH": "", "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
+                            env={"SQUAD_BASE_URL": mirror.as_uri(), "PATH": "", "PYTHONPATH": str(REPO_ROOT)},
+                            timeout=60)
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1].startswith("squad_download.py: error: ")
     assert "train-v2.0.json: SHA-256" in result.stderr and "68dcfbb971bd" in result.stderr

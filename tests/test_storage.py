@@ -150,8 +150,8 @@ def test_no_credentials_is_one_line(s3, monkeypatch):
 def test_wrong_region_is_one_line(s3):
     """What S3 answers a request signed for another region (moto does not check regions, so the hook
     answers for it)."""
-    from botocore.awsrequest import AWSResponse
     import boto3
+    from botocore.awsrequest import AWSResponse
     body = b"<Error><Code>PermanentRedirect</Code><Message>m</Message></Error>"
 
     def redirect(request, **_):
@@ -347,8 +347,8 @@ def start_local_ranks(count, store, s3_cache_dir, download_range, faults="", cap
     `s3_cache_dir` (as the driver's --s3_cache_dir), in ranged GETs of `download_range` bytes."""
     env = {**os.environ, s3_helpers.FAULTS_ENV: faults,
            "PYTHONPATH": os.pathsep.join([str(helpers.REPO_ROOT), str(helpers.REPO_ROOT / "tests")])}
-    return [subprocess.Popen([sys.executable, "-c", CACHE_READER, store.url(), str(s3_cache_dir),
-                              str(download_range), str(capacity)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-c", CACHE_READER, store.url(), str(s3_cache_dir), str(download_range), str(capacity)]
+    return [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(count)]
 
 

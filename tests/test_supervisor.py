@@ -133,7 +133,8 @@ def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3,
     attempts = []
     status = job.run()
     for k in range(len(list(log.glob("args_*")))):
-        attempts.append(((log / f"hosts_{k}").read_text().split("\n")[:-1], json.loads((log / f"args_{k}").read_text())))
+        attempts.append(((log / f"hosts_{k}").read_text().split("\n")[:-1],
+                         json.loads((log / f"args_{k}").read_text())))
     events = [r["data"] for r in helpers.read_dllogger(args.json_summary)] if args.json_summary.exists() else []
     return status, attempts, events
 
@@ -148,13 +149,15 @@ def test_a_lost_host_is_left_out_then_taken_back(tmp_path, capsys):
         ["10.0.0.1 slots=1", "10.0.0.2 slots=1", "10.0.0.3 slots=1"],  # the job's hosts: not the spare 10.0.0.9
         ["10.0.0.1 slots=1", "10.0.0.3 slots=1"], ["10.0.0.1 slots=1", "10.0.0.2 slots=1"]]
     _, args = attempts[1]
-    assert args[:8] == ["--num_nodes", "2", "--hostfile", args[3], "--master_addr", "10.0.0.1", "--master_port", "29999"]
+    assert args[:8] == ["--num_nodes", "2", "--hostfile", args[3], "--master_addr", "10.0.0.1",
+                        "--master_port", "29999"]
     assert args[8:] == ["--no_python", "prog", "--flag"]
     out = capsys.readouterr().out
     restarts = [line for line in out.splitlines() if line.startswith("supervisor: restart")]
     assert len(restarts) == 2
     assert "after: rank 0 on n1 (10.0.0.1): attempt 0 lost a peer; resuming from checkpoint 4 on 2 host(s) " \
-           "10.0.0.1,10.0.0.3; left out: 10.0.0.2 (host 10.0.0.2: ssh failed: Connection refused); back: none" in restarts[0]
+           "10.0.0.1,10.0.0.3; left out: 10.0.0.2 (host 10.0.0.2: ssh failed: Connection refused); " \
+           "back: none" in restarts[0]
     assert "resuming from checkpoint 8 on 2 host(s) 10.0.0.1,10.0.0.2; left out: 10.0.0.3 (host 10.0.0.3: no answer " \
            "over ssh within 5 s); back: 10.0.0.2" in restarts[1]
     assert [(e["event"], e["restart"], e["resume_from_checkpoint"], e["hosts"], list(e["hosts_left"]), e["hosts_back"])
@@ -307,7 +310,7 @@ def test_lost_hosts_are_left_out_and_taken_back_and_the_losses_match_a_resume_by
 
 
 @pytest.mark.slow
-def test_a_repeating_crash_stops_after_n_attempts_with_its_reason(test_hosts, job3):
+def test_an_unreadable_shard_stops_the_job_after_n_attempts_with_its_reason(test_hosts, job3):
     """(d) A shard that cannot be read, met at the end of the first epoch, after a checkpoint: the job fails
     at the same step from the same checkpoint every time, and the supervisor stops after HL_MAX_RESTARTS=2
     attempts with the reason. (e), SIGTERM to the supervisor: test_multihost.py's SIGTERM test runs with
@@ -326,5 +329,6 @@ def test_a_repeating_crash_stops_after_n_attempts_with_its_reason(test_hosts, jo
     assert output.count("deepspeed --num_nodes") == 2 and output.count("supervisor: restart 1 ") == 1
     last = output.strip().splitlines()[-1]
     assert re.fullmatch(rf"error: supervisor: not restarting: the job failed 2 times in a row the same way, from "
-                        rf"checkpoint [1-9]\d*; the job's last error: {re.escape(str(bad))}: cannot read samples .*", last)
+                        rf"checkpoint [1-9]\d*; the job's last error: {re.escape(str(bad))}: cannot read samples .*",
+                        last)
     assert not any(test_hosts.rank_pids(host) for host in range(3))

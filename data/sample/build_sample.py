@@ -5,8 +5,8 @@
     python data/sample/build_sample.py CACHE
 
 Writes enwiki_sample.xml.bz2 (a few real articles and redirects cut from the enwiki dump
-excerpt that gensim ships as test data) and books/*.txt.gz (two Jane Austen novels, in parts of 12 chapters, read from the
-R data file of Debian's r-cran-janeaustenr). Nothing is installed or imported from either.
+excerpt that gensim ships as test data) and books/*.txt.gz (two Jane Austen novels, in parts of 12 chapters, read
+from the R data file of Debian's r-cran-janeaustenr). Nothing is installed or imported from either.
 """
 import bz2
 import gzip
@@ -14,8 +14,8 @@ import re
 import struct
 import subprocess
 import sys
-import zlib
 import zipfile
+import zlib
 from pathlib import Path
 
 GENSIM_MEMBER = ("gensim/test/test_data/"
