@@ -193,7 +193,7 @@ launch_pretraining() {
     run_preflight
     if [[ "$NUM_NODES" != 1 ]]; then
         mkdir -p "$RESULTS_DIR"
-        cd "$REPO_ROOT"
+        cd "$REPO_ROOT" || exit 1
         exec "$PYTHON" "$REPO_ROOT/supervisor.py" --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
             --ngpu_per_node "$NGPU_PER_NODE" --master_port "$MASTER_PORT" --deepspeed_config "$DS_CONFIG" \
             --data_dir "$DATA_DIR" --json_summary "$JSON_SUMMARY" --max_restarts "${HL_MAX_RESTARTS:-3}" \
@@ -244,7 +244,7 @@ check_finetuning_resume() {
 # deepspeed --num_nodes N --num_gpus G --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...
 launch_ranks() {
     mkdir -p "$RESULTS_DIR"
-    cd "$REPO_ROOT"
+    cd "$REPO_ROOT" || exit 1
     local command=(deepspeed "${LAUNCHER_ARGS[@]}" --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
                    "${RENDEZVOUS_ARGS[@]}" "${RANK_ENV[@]}" "$PYTHON" -u "$@")
     echo "${command[*]}"
@@ -286,7 +286,9 @@ forward_stop_request() {
         fi
     else
         for launch_pid in $(pgrep -P "$runner"); do
-            ranks+=($(pgrep -P "$launch_pid"))  # the ranks: children of deepspeed.launcher.launch
+            # The ranks: children of deepspeed.launcher.launch. Read through mapfile: pgrep's status 1 (no rank
+            # yet, while the launcher starts them) must not end this handler under set -e.
+            mapfile -t -O "${#ranks[@]}" ranks < <(pgrep -P "$launch_pid")
         done
         if (( ${#ranks[@]} > 0 )); then
             kill -TERM "${ranks[@]}" 2> /dev/null || true

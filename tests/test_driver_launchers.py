@@ -36,8 +36,8 @@ def stub_launcher(tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     env = dict(helpers.environ_without_rank(),
-               PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]), HL_DATA_DIR=str(data_dir),
-               HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
+               PATH=os.pathsep.join([str(bin_dir), str(helpers.VENV_BIN), os.environ["PATH"]]),
+               HL_DATA_DIR=str(data_dir), HL_RESULTS_DIR=str(tmp_path / "results"), HL_PREFLIGHT="0",
                # the launchers check that HL_DEVICE's devices exist: the stand-in bridge reports
                # STUB_HPU_COUNT (8) Gaudis
                PYTHONPATH=os.pathsep.join([str(helpers.FAKE_HABANA), os.environ.get("PYTHONPATH", "")]))
@@ -48,6 +48,7 @@ def stub_launcher(tmp_path):
 # the signals it receives in $log/<role>_signalled; `started` appears once every handler is in place.
 #   starting: the runner before it has started any child (sleeps; dies of SIGTERM, as DeepSpeed's does)
 #   ranks:    runner (no handler) -> launch -> rank, which exits 0 on SIGTERM (saves, in the real driver)
+#   launching: runner (no handler) -> launch, before launch has started any rank (sleeps)
 #   pdsh:     runner -> pdsh -> ssh; the runner's SIGTERM handler stops pdsh and ssh with SIGKILL and
 #             exits 1 (as runner.py's handler stops pdsh and exits 1), after a pause in which an ssh
 #             signalled too would have noted it
@@ -57,6 +58,8 @@ case "${STUB_ROLE:-runner}/${STUB_TREE:-}" in
     runner/) exit 0 ;;
     runner/starting) touch "$log/started"; exec sleep 300 ;;
     runner/ranks) STUB_ROLE=launch "$0" & wait $! ;;
+    runner/launching) STUB_ROLE=launch "$0" & wait $! ;;
+    launch/launching) touch "$log/started"; exec sleep 300 ;;
     launch/ranks) trap 'note launch' TERM; STUB_ROLE=rank "$0" & wait $!; wait $! ;;
     rank/ranks) trap 'note rank; kill $child; exit 0' TERM; touch "$log/started"; sleep 300 & child=$!; wait $child ;;
     runner/pdsh) trap 'note runner; sleep 0.5; pkill -KILL -P $child; kill -KILL $child; exit 1' TERM
@@ -96,6 +99,13 @@ def test_sigterm_on_one_node_goes_to_the_ranks_only(stub_launcher):
     assert (tmp_path / "rank_signalled").exists() and not (tmp_path / "launch_signalled").exists()
 
 
+def test_sigterm_while_the_launch_starts_its_ranks_stops_the_runner(stub_launcher):
+    # Formerly pgrep's status 1 (the launch has no child yet) ended the handler under set -e: the script
+    # exited 1 and left the runner and the launch running.
+    env, tmp_path = stub_launcher
+    assert sigterm_once_started("run_bert_1.5b_8x.sh", env, tmp_path, "launching") == 128 + signal.SIGTERM
+
+
 def test_sigterm_on_several_nodes_without_ranks_yet_goes_to_the_runner_only(stub_launcher):
     """The launcher first asks every host over pdsh to signal the job's ranks (the stub pdsh finds none, as
     during start-up), then signals the runner alone. The ranks' side: test_multihost.py, on real hosts."""
@@ -133,7 +143,8 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
         assert launcher[:2] == ["--num_nodes", nodes]
         assert launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
         assert launcher[2] == "--hostfile" and launcher[4:8] == ["--master_addr", hosts[0], "--master_port", "29500"]
-        assert "supervisor: restart" not in result.stdout and result.stdout.splitlines()[0].startswith("deepspeed --num_nodes")
+        assert "supervisor: restart" not in result.stdout
+        assert result.stdout.splitlines()[0].startswith("deepspeed --num_nodes")
     else:
         assert launcher == ["--num_nodes", "1", "--num_gpus", "8", "--no_local_rank", "--no_python",
                             "--master_port", "29500"]
