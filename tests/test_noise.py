@@ -31,7 +31,9 @@ def test_a_cpu_launch_has_no_cuda_visible_devices_line_and_a_failing_rank_still_
     from helpers import free_port
     env = dict(os.environ, HL_DEVICE="cpu", NUM_NODES="1", NGPU_PER_NODE="2", HL_NGPU_PER_NODE="2",
                RESULTS_DIR=str(tmp_path), REPO_ROOT=str(REPO_ROOT), HL_MASTER_PORT=str(free_port()))
-    rank = 'import sys; print("rank up"); sys.exit(3)'
+    # one write(2) per rank: a pipe keeps a write this short whole, so the two ranks' lines cannot interleave
+    # (print may write the text and its newline apart, e.g. under PYTHONUNBUFFERED)
+    rank = 'import os, sys; os.write(1, b"rank up\\n"); sys.exit(3)'
     result = subprocess.run(["bash", "-c", 'source scripts/launch_common.sh; device_args; find_launcher_and_python; '
                              'rendezvous_args; launch_ranks -c "$0"', rank], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
