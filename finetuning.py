@@ -3,7 +3,8 @@ training loop and the prediction loop. The task scripts keep their data, heads' 
 
 Interface, in the order an entry point's main() calls it:
 
-    parser = finetuning.build_parser("...")      # common flags (NVIDIA's names); add the task's own to it
+    parser, groups = finetuning.build_parser("...", usage)  # common flags (NVIDIA's names) in their groups;
+                                                 # add the task's own to groups["data"], ...
     args = finetuning.parse_arguments(parser, argv)  # picks the accelerator before DeepSpeed is imported
     ds_config = finetuning.validate(args)        # common checks + the DeepSpeed settings; InputError
     config, weights = finetuning.load_pretrained(args)   # --init_checkpoint (any weight source) / --config_file
@@ -56,43 +57,59 @@ CHECKPOINT_SUBDIR = "checkpoints"
 
 # ============================================================================ flags
 
-def build_parser(description: str) -> argparse.ArgumentParser:
-    parser = runtime.OneLineErrorParser(description=description)
-    add = parser.add_argument
-    add("--init_checkpoint", default=None, help="Pretrained weights: a run_pretraining.py output or tag directory "
-        "(any ZeRO stage and ranks; also s3://bucket/prefix[/tag]), a `checkpointing.py export` file, or a "
-        "Hugging Face BERT directory.")
-    add("--config_file", default=None, help="Model config JSON (needed unless --init_checkpoint records one).")
-    add("--vocab_file", required=True, help="vocab.txt of the pretrained model.")
-    add("--do_lower_case", action="store_true", help="Lower-case the text (uncased vocab).")
-    add("--output_dir", required=True, help="Predictions, results and checkpoints go here.")
+def build_parser(description: str, usage: str) -> tuple:
+    """(parser, {title: argument group}) with the common flags in their groups; an entry point adds its own
+    flags to these groups ("data", "model", ...)."""
+    parser = runtime.OneLineErrorParser(description=description, usage=usage, epilog=runtime.SWITCHES_EPILOG,
+                                        formatter_class=runtime.DefaultsHelpFormatter)
+    groups = {title: parser.add_argument_group(title) for title in
+              ("what to run", "data", "model", "schedule and optimizer", "prediction", "checkpoints",
+               "devices and distribution", "logging")}
+    add = groups["what to run"].add_argument
     add("--do_train", action="store_true", help="Fine-tune.")
     add("--do_eval", action="store_true", help="Score predictions against their answers: run_squad.py those of "
         "--predict_file, run_glue.py the task's dev sets.")
     add("--do_predict", action="store_true", help="Write predictions: run_squad.py of --predict_file (also what "
         "--do_eval scores), run_glue.py of the task's unlabelled test sets.")
-    add("--train_batch_size", type=int, default=None, help="Batch per device and micro-step (default: the "
-        "DeepSpeed JSON's train_micro_batch_size_per_gpu, else 32).")
-    add("--gradient_accumulation_steps", type=int, default=None, help="Micro-steps per optimizer step "
-        "(default: the DeepSpeed JSON's, else 1).")
+    add = groups["data"].add_argument
+    add("--vocab_file", required=True, help="vocab.txt of the pretrained model.")
+    add("--do_lower_case", action="store_true", help="Lower-case the text (uncased vocab).")
+    add = groups["model"].add_argument
+    add("--init_checkpoint", default=None, help="Pretrained weights: a run_pretraining.py output or tag directory "
+        "(any ZeRO stage and ranks; also s3://bucket/prefix[/tag]), a `checkpointing.py export` file, or a "
+        "Hugging Face BERT directory (default: none, fresh weights from --config_file).")
+    add("--config_file", default=None, help="Model config JSON (default: the one --init_checkpoint records; "
+        "needed when it records none).")
+    runtime.add_compile_arguments(groups["model"])
+    add = groups["schedule and optimizer"].add_argument
+    add("--train_batch_size", type=int, default=None, help="Sequences per process (device) and optimizer step, "
+        "as in NVIDIA's run_squad.py and run_glue.py: each of the --gradient_accumulation_steps micro-steps "
+        "takes train_batch_size / gradient_accumulation_steps of them, and the global batch is train_batch_size x "
+        "the number of processes (default: the DeepSpeed JSON's train_micro_batch_size_per_gpu x "
+        "gradient_accumulation_steps, else 32).")
+    add("--gradient_accumulation_steps", type=int, default=None, help="Micro-steps per optimizer step; they "
+        "share --train_batch_size (default: the DeepSpeed JSON's, else 1).")
     add("--learning_rate", type=float, default=5e-5, help="Peak learning rate (AdamW, linear warm-up and decay).")
     add("--num_train_epochs", type=float, default=3.0, help="Epochs of training.")
     add("--max_steps", type=float, default=-1.0, help="Optimizer steps; > 0 overrides --num_train_epochs.")
     add("--warmup_proportion", type=float, default=0.1, help="Warm-up fraction of the steps.")
     add("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
-    add("--json-summary", dest="json_summary", default=None, help="dllogger JSON (rank 0); default "
-        "<output_dir>/dllogger.json.")
-    add("--skip_checkpoint", action="store_true", help="Do not save the fine-tuned weights.")
-    add("--disable-progress-bar", dest="disable_progress_bar", action="store_true", help="No tqdm bar.")
-    add("--log_freq", type=int, default=10, help="Log the loss every this many optimizer steps.")
+    add = groups["checkpoints"].add_argument
+    add("--output_dir", required=True, help="Predictions, results and checkpoints go here.")
     add("--resume_from_checkpoint", action="store_true", help="Continue from <output_dir>/checkpoints.")
     add("--num_steps_per_checkpoint", type=int, default=0, help="Save every N steps (0: only at the end "
         "and on SIGTERM/SIGINT).")
-    add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
+    add("--skip_checkpoint", action="store_true", help="Do not save the fine-tuned weights.")
+    add = groups["devices and distribution"].add_argument
     add("--use_hpu", action="store_true", help="Run on Habana Gaudi (habana_frameworks), backend hccl.")
     add("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
-    runtime.add_compile_arguments(parser)
-    return parser
+    add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
+    add = groups["logging"].add_argument
+    add("--json-summary", dest="json_summary", default=None, help="dllogger JSON (rank 0) (default: "
+        "<output_dir>/dllogger.json).")
+    add("--log_freq", type=int, default=10, help="Log the loss every this many optimizer steps.")
+    add("--disable-progress-bar", dest="disable_progress_bar", action="store_true", help="No tqdm bar.")
+    return parser, groups
 
 
 def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -132,18 +149,35 @@ def validate(args) -> dict:
 
 
 def deepspeed_settings(args, world_size: int) -> dict:
-    """The DeepSpeed JSON (optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags filled in."""
+    """The DeepSpeed JSON (optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags filled in. As in NVIDIA's
+    run_squad.py and run_glue.py, --train_batch_size is one process's batch per optimizer step: its micro-batch
+    is train_batch_size / gradient_accumulation_steps (NVIDIA floors the division; here it must be exact)."""
     where = args.deepspeed_config or "the DeepSpeed settings"
     config = runtime.read_deepspeed_config(args.deepspeed_config) if args.deepspeed_config else {}
-    for key, flag, value, default in (("train_micro_batch_size_per_gpu", "--train_batch_size",
-                                       args.train_batch_size, 32),
-                                      ("gradient_accumulation_steps", "--gradient_accumulation_steps",
-                                       args.gradient_accumulation_steps, 1)):
-        if value is not None and key in config and config[key] != value:
-            raise InputError(f"{flag} {value} contradicts {key} {config[key]} in {where}: set one of them")
-        if value is not None and value < 1:
-            raise InputError(f"{flag} must be at least 1, got {value}")
-        config.setdefault(key, value if value is not None else default)
+    accumulation = args.gradient_accumulation_steps
+    if accumulation is not None:
+        if accumulation < 1:
+            raise InputError(f"--gradient_accumulation_steps must be at least 1, got {accumulation}")
+        if config.get("gradient_accumulation_steps", accumulation) != accumulation:
+            raise InputError(f"--gradient_accumulation_steps {accumulation} contradicts gradient_accumulation_steps "
+                             f"{config['gradient_accumulation_steps']} in {where}: set one of them")
+        config["gradient_accumulation_steps"] = accumulation
+    accumulation = config.setdefault("gradient_accumulation_steps", 1)
+    batch = args.train_batch_size
+    if batch is None and "train_micro_batch_size_per_gpu" not in config:
+        batch = 32  # NVIDIA's default of --train_batch_size
+    if batch is not None:
+        if batch < 1:
+            raise InputError(f"--train_batch_size must be at least 1, got {batch}")
+        if batch % accumulation:
+            raise InputError(f"--train_batch_size {batch} (sequences per process and optimizer step) is not a "
+                             f"multiple of gradient_accumulation_steps {accumulation}")
+        micro = batch // accumulation
+        if config.get("train_micro_batch_size_per_gpu", micro) != micro:
+            raise InputError(f"--train_batch_size {batch} = micro-batch {micro} x {accumulation} accumulation steps "
+                             f"contradicts train_micro_batch_size_per_gpu {config['train_micro_batch_size_per_gpu']} "
+                             f"in {where}: set one of them")
+        config["train_micro_batch_size_per_gpu"] = micro
     config.setdefault("train_batch_size", config["train_micro_batch_size_per_gpu"]
                       * config["gradient_accumulation_steps"] * world_size)
     config.setdefault("gradient_clipping", 1.0)  # as NVIDIA's BertAdam (max_grad_norm 1.0)

@@ -29,12 +29,17 @@ from modeling import BertForSequenceClassification
 
 
 def build_parser():
-    parser = finetuning.build_parser("Fine-tune BERT on a GLUE task (NVIDIA run_glue.py flags) with DeepSpeed.")
-    parser.add_argument("--task_name", required=True, type=str.lower, choices=sorted(TASKS), help="GLUE task.")
-    parser.add_argument("--data_dir", required=True, help="The task's directory of TSV files.")
-    parser.add_argument("--max_seq_length", type=int, default=128, help="Tokens per example after WordPiece "
-                        "(longer pairs are cut, shorter ones padded).")
-    parser.add_argument("--eval_batch_size", type=int, default=8, help="Batch per device for evaluation.")
+    parser, groups = finetuning.build_parser(
+        "Fine-tune BERT on a GLUE task (NVIDIA run_glue.py flags) with DeepSpeed.",
+        "%(prog)s --task_name TASK --data_dir DIR --vocab_file TXT --output_dir DIR --do_train|--do_eval|"
+        "--do_predict [flags]")
+    add = groups["data"].add_argument
+    add("--task_name", required=True, type=str.lower, choices=sorted(TASKS), help="GLUE task.")
+    add("--data_dir", required=True, help="The task's directory of TSV files.")
+    add("--max_seq_length", type=int, default=128, help="Tokens per example after WordPiece (longer pairs are "
+        "cut, shorter ones padded).")
+    groups["prediction"].add_argument("--eval_batch_size", type=int, default=8, help="Batch per device for "
+                                      "evaluation and prediction.")
     return parser
 
 

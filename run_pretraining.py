@@ -42,7 +42,7 @@ from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from runtime import InputError, optimizer_step_suppressed
 from schedulers import PolyWarmUpScheduler
 
-IGNORED_FLAGS_HELP = "Does nothing."
+IGNORED_FLAGS_HELP = "Ignored."
 
 
 class TrainingStopped(RuntimeError):
@@ -52,76 +52,117 @@ class TrainingStopped(RuntimeError):
 # ============================================================================ arguments
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = runtime.OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).")
-    add = parser.add_argument
-    add("--input_dir", required=True, help="Directory (or s3://bucket/prefix) of HDF5 shards; files whose name "
-        "contains 'training' are used.")
-    add("--config_file", required=True, help="Model configuration JSON (modeling.BertConfig).")
-    add("--output_dir", required=True, help="Checkpoint directory (or s3://bucket/prefix); must be empty unless "
-        "--resume_from_checkpoint.")
-    add("--max_predictions_per_seq", type=int, default=80, help="Upper bound of the shards' masked positions.")
-    add("--learning_rate", type=float, default=5e-5, help="Base learning rate.")
-    add("--max_steps", type=float, default=1000, help="Optimizer steps of the LR schedule (and of the phase).")
-    add("--warmup_proportion", type=float, default=0.01, help="Warm-up fraction of --max_steps.")
-    add("--scheduler_degree", type=float, default=1.0, help="Exponent of the polynomial decay.")
-    add("--constant_proportion", type=float, default=0.0,
-        help="Fraction of --max_steps held at the base LR after warm-up.")
-    add("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment variable wins.")
-    add("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
-    add("--log_freq", type=float, default=1.0, help="Log every this many optimizer steps.")
-    add("--resume_from_checkpoint", action="store_true",
-        help="Resume from --output_dir (fresh start, said so, if it holds no checkpoint).")
-    add("--resume_step", type=int, default=-1, help="Tag to resume from; -1 = the 'latest' checkpoint.")
-    add("--num_steps_per_checkpoint", type=int, default=100, help="Save every N optimizer steps of this run.")
-    add("--skip_checkpoint", action="store_true", help="Never save checkpoints.")
-    add("--phase2", action="store_true",
-        help="Start phase 2 from a phase-1 checkpoint: reset step counters and scheduler, keep moments.")
-    add("--phase1_end_step", type=int, default=7038, help="Global step at which phase 1 ended.")
-    add("--json-summary", dest="json_summary", default="results/dllogger.json", help="dllogger JSON stream (rank 0).")
-    add("--disable_progress_bar", action="store_true", help="No tqdm bar on rank 0.")
-    add("--steps_this_run", type=int, default=-1, help="Optimizer steps in this run (-1: until --max_steps). "
-        "Unlike the reference, counted from the start of this run, not from step 0.")
-    add("--optimizer", default=None, help=f"One of {', '.join(OPTIMIZERS)}; none = the DeepSpeed JSON's optimizer.")
-    add("--betas", type=float, nargs=2, default=None, help="Optimizer betas.")
-    add("--lans_blocks", choices=("tensor", "partition"), default="tensor",
-        help="LANS under ZeRO-1/2: norms and trust ratios per model tensor (across ranks; the paper's), "
-             "or per flat partition of each rank (the reference's; depends on the number of ranks).")
-    add("--use_lr_scheduler", action="store_true",
-        help="PolyWarmUpScheduler (else the DeepSpeed JSON's scheduler, or constant LR).")
-    add("--disable_random_sampler", action="store_true", help="Read shards and samples in order (debugging).")
-    add("--checkpoint_activations", action="store_true", help="Recompute encoder activations in the backward pass.")
-    add("--checkpoint_activations_interval", type=int, default=1, help="Layers per checkpointed chunk.")
-    add("--profile", default=None, help="pt | pt-full (torch profiler, full = with stacks) | hltv (HPU only).")
-    add("--profile_steps", default="2,3", help="start,end: micro-steps (inclusive) to profile.")
-    add("--use_hpu", action="store_true", help="Run on Habana Gaudi (needs habana_frameworks), backend hccl.")
-    add("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
-    runtime.add_compile_arguments(parser)
-    # Additions of this repository.
-    add("--keep_last_n_checkpoints", type=int, default=0, help="Keep only the newest N checkpoints (0 = keep all).")
-    add("--max_bad_steps", type=int, default=10, help="Stop after this many consecutive steps with a non-finite loss.")
-    add("--skip_bad_shards", action="store_true",
-        help="Skip (and count) a shard that fails to read mid-epoch instead of stopping.")
-    add("--init_checkpoint", default=None,
-        help="Start from these weights (checkpoint tag dir or state-dict file) with a fresh optimizer.")
-    add("--data_memory_budget_mb", type=float, default=256, help="Memory per rank for the data window being read.")
-    add("--peak_tflops", type=float, default=None, help="Matmul peak of one device for the logged MFU, TFLOP/s "
-        "(default: the datasheet bf16 figure of a known Gaudi/NVIDIA device, else measured at start-up).")
-    add("--skip_memory_check", action="store_true", help="Train even when the memory planner (sizing.py) predicts "
-        "that the run does not fit the device.")
-    add("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded from an s3:// "
-        "--input_dir (one subdirectory per server, shared by its ranks) and for checkpoints on their way to an "
-        "s3:// --output_dir.")
-    add("--s3_cache_gb", type=float, default=50, help="Bound of each server's S3 shard cache, GiB (at least the "
-        "largest shard; two shards or more let the next shard download while one is read).")
-    add("--s3_endpoint_url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).")
-    add("--collective_timeout_s", type=float, default=1800, help="A collective (all-reduce, barrier) waiting this "
-        "long ends the job with an error naming the rank and host: another rank died or stalled.")
-    ignored = parser.add_argument_group("ignored", "Accepted for compatibility with the reference; these do nothing.")
-    for flag, kind, default in (("--bert_model", str, "bert-large-uncased"), ("--max_seq_length", int, 512),
-                                ("--num_train_epochs", float, 3.0), ("--loss_scale", float, 0.0),
+    parser = runtime.OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).",
+                                        formatter_class=runtime.DefaultsHelpFormatter, epilog=runtime.SWITCHES_EPILOG,
+                                        usage="%(prog)s --input_dir DIR --config_file JSON --output_dir DIR [flags]")
+    data = parser.add_argument_group("data")
+    data.add_argument("--input_dir", required=True, help="Directory (or s3://bucket/prefix) of HDF5 shards; files "
+                      "whose name contains 'training' are used. Their sequence length is the run's.")
+    data.add_argument("--max_predictions_per_seq", type=int, default=80, help="Upper bound of the shards' masked "
+                      "positions.")
+    data.add_argument("--disable_random_sampler", action="store_true", help="Read shards and samples in order "
+                      "(debugging).")
+    data.add_argument("--data_memory_budget_mb", type=float, default=256, help="Memory per rank for the data "
+                      "window being read.")
+    data.add_argument("--skip_bad_shards", action="store_true", help="Skip (and count) a shard that fails to read "
+                      "mid-epoch instead of stopping.")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--config_file", required=True, help="Model configuration JSON (modeling.BertConfig).")
+    model.add_argument("--checkpoint_activations", action="store_true", help="Recompute encoder activations in "
+                       "the backward pass.")
+    model.add_argument("--checkpoint_activations_interval", type=int, default=1, help="Layers per checkpointed "
+                       "chunk.")
+    runtime.add_compile_arguments(model)
+
+    schedule = parser.add_argument_group("schedule and optimizer")
+    schedule.add_argument("--optimizer", default=None, help=f"The client optimizer: {', '.join(OPTIMIZERS)} "
+                          "(default: none given, and then the DeepSpeed JSON's \"optimizer\" section is used; one "
+                          "of the two is needed).")
+    schedule.add_argument("--betas", type=float, nargs=2, default=None, help="Optimizer betas (default: the "
+                          "optimizer's own, 0.9 0.999).")
+    schedule.add_argument("--lans_blocks", choices=("tensor", "partition"), default="tensor",
+                          help="LANS under ZeRO-1/2: norms and trust ratios per model tensor (across ranks; the "
+                          "paper's), or per flat partition of each rank (the reference's; depends on the number of "
+                          "ranks).")
+    schedule.add_argument("--learning_rate", type=float, default=5e-5, help="Base learning rate.")
+    schedule.add_argument("--use_lr_scheduler", action="store_true", help="PolyWarmUpScheduler (else the "
+                          "DeepSpeed JSON's scheduler, or constant LR).")
+    schedule.add_argument("--max_steps", type=float, default=1000, help="Optimizer steps of the LR schedule (and "
+                          "of the phase).")
+    schedule.add_argument("--warmup_proportion", type=float, default=0.01, help="Warm-up fraction of --max_steps.")
+    schedule.add_argument("--constant_proportion", type=float, default=0.0, help="Fraction of --max_steps held at "
+                          "the base LR after warm-up.")
+    schedule.add_argument("--scheduler_degree", type=float, default=1.0, help="Exponent of the polynomial decay.")
+    schedule.add_argument("--steps_this_run", type=int, default=-1, help="Optimizer steps in this run (-1: until "
+                          "--max_steps). Unlike the reference, counted from the start of this run, not from step 0.")
+    schedule.add_argument("--phase2", action="store_true", help="Start phase 2 from a phase-1 checkpoint: reset "
+                          "step counters and scheduler, keep moments.")
+    schedule.add_argument("--phase1_end_step", type=int, default=7038, help="Global step at which phase 1 ended.")
+    schedule.add_argument("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
+    schedule.add_argument("--max_bad_steps", type=int, default=10, help="Stop after this many consecutive steps "
+                          "with a non-finite loss.")
+
+    checkpoints = parser.add_argument_group("checkpoints")
+    checkpoints.add_argument("--output_dir", required=True, help="Checkpoint directory (or s3://bucket/prefix); "
+                             "must be empty unless --resume_from_checkpoint.")
+    checkpoints.add_argument("--resume_from_checkpoint", action="store_true", help="Resume from --output_dir "
+                             "(fresh start, said so, if it holds no checkpoint).")
+    checkpoints.add_argument("--resume_step", type=int, default=-1, help="Tag to resume from; -1 = the 'latest' "
+                             "checkpoint.")
+    checkpoints.add_argument("--init_checkpoint", default=None, help="Start from these weights (checkpoint tag "
+                             "dir or state-dict file) with a fresh optimizer (default: none, fresh weights).")
+    checkpoints.add_argument("--num_steps_per_checkpoint", type=int, default=100, help="Save every N optimizer "
+                             "steps of this run.")
+    checkpoints.add_argument("--keep_last_n_checkpoints", type=int, default=0, help="Keep only the newest N "
+                             "checkpoints (0 = keep all).")
+    checkpoints.add_argument("--skip_checkpoint", action="store_true", help="Never save checkpoints.")
+
+    devices = parser.add_argument_group("devices and distribution")
+    devices.add_argument("--use_hpu", action="store_true", help="Run on Habana Gaudi (needs habana_frameworks), "
+                         "backend hccl.")
+    devices.add_argument("--no_cuda", action="store_true", help="Run on CPU (gloo) even if CUDA is available.")
+    devices.add_argument("--local_rank", type=int, default=-1, help="Set by launchers; the LOCAL_RANK environment "
+                         "variable wins.")
+    devices.add_argument("--collective_timeout_s", type=float, default=1800, help="A collective (all-reduce, "
+                         "barrier) waiting this long ends the job with an error naming the rank and host: another "
+                         "rank died or stalled.")
+    devices.add_argument("--skip_memory_check", action="store_true", help="Train even when the memory planner "
+                         "(sizing.py) predicts that the run does not fit the device.")
+
+    s3 = parser.add_argument_group("S3", "With an s3:// --input_dir or --output_dir (docs/s3.md).")
+    s3.add_argument("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded "
+                    "from an s3:// --input_dir (one subdirectory per server, shared by its ranks) and for "
+                    "checkpoints on their way to an s3:// --output_dir.")
+    s3.add_argument("--s3_cache_gb", type=float, default=50, help="Bound of each server's S3 shard cache, GiB (at "
+                    "least the largest shard; two shards or more let the next shard download while one is read).")
+    s3.add_argument("--s3_endpoint_url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, "
+                    "else AWS).")
+
+    logging = parser.add_argument_group("logging")
+    logging.add_argument("--json-summary", dest="json_summary", default="results/dllogger.json",
+                         help="dllogger JSON stream (rank 0).")
+    logging.add_argument("--log_freq", type=float, default=1.0, help="Log every this many optimizer steps.")
+    logging.add_argument("--disable_progress_bar", action="store_true", help="No tqdm bar on rank 0.")
+    logging.add_argument("--peak_tflops", type=float, default=None, help="Matmul peak of one device for the "
+                         "logged MFU, TFLOP/s (default: the datasheet bf16 figure of a known Gaudi/NVIDIA device, "
+                         "else measured at start-up).")
+    logging.add_argument("--profile", default=None, help="pt | pt-full (torch profiler, full = with stacks) | hltv "
+                         "(HPU only) (default: none, no profiling).")
+    logging.add_argument("--profile_steps", default="2,3", help="start,end: micro-steps (inclusive) to profile.")
+
+    ignored = parser.add_argument_group("ignored", "Accepted for compatibility with the reference's command "
+                                        "lines; these do nothing.")
+    ignored.add_argument("--max_seq_length", type=int, default=512, help="Ignored: the sequence length is that "
+                         "of the HDF5 shards in --input_dir (the width of their input_ids, e.g. 128 in phase 1, "
+                         "512 in phase 2).")
+    ignored.add_argument("--num_train_epochs", type=float, default=3.0, help="Ignored: --max_steps and "
+                         "--steps_this_run decide the length of a run.")
+    for flag, kind, default in (("--bert_model", str, "bert-large-uncased"), ("--loss_scale", float, 0.0),
                                 ("--init_loss_scale", int, 2 ** 20), ("--tensor_logger_max_iterations", int, 0),
                                 ("--tensor_logger_path", str, None)):
-        ignored.add_argument(flag, type=kind, default=default, help=IGNORED_FLAGS_HELP)
+        ignored.add_argument(flag, type=kind, default=default,
+                             help=IGNORED_FLAGS_HELP if default is not None else "Ignored (default: none).")
     for flag in ("--do_train", "--use_env", "--use_ds_lamb_bias_correction", "--run_loss_in_fp32",
                  "--log_model_inputs", "--log_fwd_activations", "--log_bwd_grads"):
         ignored.add_argument(flag, action="store_true", help=IGNORED_FLAGS_HELP)

@@ -30,19 +30,23 @@ from modeling import BertForQuestionAnswering
 
 
 def build_parser():
-    parser = finetuning.build_parser("Fine-tune BERT on SQuAD v1.1/v2.0 (NVIDIA run_squad.py flags) with DeepSpeed.")
-    add = parser.add_argument
-    add("--train_file", default=None, help="SQuAD JSON for training, e.g. train-v1.1.json.")
+    parser, groups = finetuning.build_parser(
+        "Fine-tune BERT on SQuAD v1.1/v2.0 (NVIDIA run_squad.py flags) with DeepSpeed.",
+        "%(prog)s --vocab_file TXT --output_dir DIR --do_train|--do_eval|--do_predict [flags]")
+    add = groups["data"].add_argument
+    add("--train_file", default=None, help="SQuAD JSON for training, e.g. train-v1.1.json (default: none; "
+        "needed by --do_train).")
     add("--predict_file", default=None, help="SQuAD JSON to predict (and, with --do_eval, to score), "
-        "e.g. dev-v1.1.json.")
+        "e.g. dev-v1.1.json (default: none; needed by --do_predict and --do_eval).")
+    add("--version_2_with_negative", action="store_true", help="SQuAD v2.0: questions may have no answer.")
     add("--max_seq_length", type=int, default=384, help="Tokens per window: [CLS] question [SEP] context [SEP].")
     add("--doc_stride", type=int, default=128, help="Tokens between the starts of a context's windows.")
     add("--max_query_length", type=int, default=64, help="Question tokens kept.")
+    add = groups["prediction"].add_argument
     add("--predict_batch_size", type=int, default=8, help="Batch per device for prediction.")
     add("--n_best_size", type=int, default=20, help="Answers kept per question in nbest_predictions.json "
         "(and best starts x best ends searched).")
     add("--max_answer_length", type=int, default=30, help="Longest answer, in tokens.")
-    add("--version_2_with_negative", action="store_true", help="SQuAD v2.0: questions may have no answer.")
     add("--null_score_diff_threshold", type=float, default=0.0, help="v2.0: answer '' when the null score "
         "minus the best answer's score exceeds this.")
     return parser

@@ -56,6 +56,23 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every flag's default: '(default: X)' after its help, unless the help already says it in
+    its own words ("(default: ..."), e.g. where None stands for "taken from elsewhere", or the flag is
+required. Switches (store_true)
+    are off unless given, which SWITCHES_EPILOG says once instead of "(default: False)" on each."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or "(default" in text
+                or action.required or action.default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+SWITCHES_EPILOG = "Flags without a value are switches: off unless given."
+
+
 # ============================================================================ device, backend, DeepSpeed traps
 
 def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:

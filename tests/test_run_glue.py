@@ -12,6 +12,7 @@ import checkpointing
 import helpers
 import hf_interop
 import run_glue
+from common.errors import InputError
 from finetune_helpers import (
     REPO_ROOT,
     TINY_CONFIG,
@@ -85,6 +86,46 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
                                   init_checkpoint=tmp_path / "hf")) == 1
     assert one_error_line(capsys).endswith("is for another model config: hidden_size 64 there, 128 in --config_file")
+
+
+# ============================================================================ --train_batch_size, as NVIDIA's
+
+def batch_settings(train_batch_size, accumulation, world_size=1, deepspeed_config=None):
+    from types import SimpleNamespace
+
+    import finetuning
+    args = SimpleNamespace(train_batch_size=train_batch_size, gradient_accumulation_steps=accumulation,
+                           deepspeed_config=deepspeed_config)
+    config = finetuning.deepspeed_settings(args, world_size)
+    return config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]
+
+
+def test_train_batch_size_is_a_process_batch_per_optimizer_step(tmp_path):
+    """NVIDIA's run_glue.py and run_squad.py divide --train_batch_size by --gradient_accumulation_steps for
+    the micro-batch of each process: (micro, accumulation, global batch) for 1 and 2 processes."""
+    assert batch_settings(32, None) == (32, 1, 32)
+    assert batch_settings(32, 4) == (8, 4, 32)
+    assert batch_settings(32, 4, world_size=2) == (8, 4, 64)
+    assert batch_settings(None, 4) == (8, 4, 32)  # NVIDIA's default, 32
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}))
+    assert batch_settings(None, None, deepspeed_config=ds) == (8, 4, 32)
+    assert batch_settings(32, None, deepspeed_config=ds) == (8, 4, 32)
+    with pytest.raises(InputError, match=r"--train_batch_size 16 = micro-batch 4 x 4 accumulation steps "
+                                         r"contradicts train_micro_batch_size_per_gpu 8 in .*ds.json"):
+        batch_settings(16, None, deepspeed_config=ds)
+    with pytest.raises(InputError, match=r"--train_batch_size 30 .* not a multiple of gradient_accumulation_steps 4"):
+        batch_settings(30, 4)
+
+
+def test_a_run_takes_train_batch_size_sequences_per_step_with_accumulation(tmp_path):
+    """40 examples, one epoch, --train_batch_size 8 with 2 accumulation steps: 5 optimizer steps of 8 (a
+    micro-batch of 8 would make 2 steps of 16)."""
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    summary = run_glue.main(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, do_eval=False,
+                                      train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=1,
+                                      skip_checkpoint=True))
+    assert summary["global_step"] == 5, summary
 
 
 # ============================================================================ learning check
