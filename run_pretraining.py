@@ -21,9 +21,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,10 @@ from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from runtime import InputError, optimizer_step_suppressed
 from schedulers import PolyWarmUpScheduler
+
+if TYPE_CHECKING:  # deepspeed is imported only after runtime.choose_accelerator has picked the device
+    import dllogger
+    from deepspeed import DeepSpeedEngine
 
 IGNORED_FLAGS_HELP = "Ignored."
 
@@ -475,25 +481,25 @@ class LogWindow:
         self.last_micro_loss, self.learning_rate = result.last_micro_loss, result.learning_rate
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """What the loop needs besides its state; built once in main."""
     args: argparse.Namespace
-    engine: object
-    optimizer: object
-    criterion: object
+    engine: "DeepSpeedEngine"
+    optimizer: torch.optim.Optimizer  # the one that steps (the client's, else the JSON's): its param_groups hold the LR
+    criterion: BertPretrainingCriterion
     device: torch.device
-    logger: object
+    logger: "dllogger.Logger"  # runtime.build_logger: dllogger's, or dllogger_fallback's without the package
     micro_batch: int
     gas: int
     world: int
     seq_len: int
     model_config: BertConfig
-    say: object
+    say: Callable[[str], None]  # prints on rank 0, nothing elsewhere
     epoch_size: int
     data_layout: dict
     checkpoint_dir: Path  # where checkpoints are written: --output_dir, or the staging dir of an s3:// one
-    copies: object        # checkpointing.CheckpointUploader for an s3:// --output_dir, else None
+    copies: checkpointing.CheckpointUploader | None  # for an s3:// --output_dir
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
     graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (gaudi.py); else none
@@ -689,9 +695,12 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                           shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
-    run = Run(args, engine, optimizer, BertPretrainingCriterion(), device, logger, micro, gas, world,
-              data.seq_len, model_config, say, reader.stream.epoch_size, data_layout, checkpoint_dir, copies,
-              sizing.model_flops_per_sequence(model_config, data.seq_len, data.max_pred), peak, graph_breaks)
+    run = Run(args=args, engine=engine, optimizer=optimizer, criterion=BertPretrainingCriterion(), device=device,
+              logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len, model_config=model_config,
+              say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
+              copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
+                                                                                data.max_pred),
+              peak_tflops=peak, graph_breaks=graph_breaks)
     first_step = state.global_step
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
