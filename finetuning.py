@@ -23,7 +23,7 @@ Interface, in the order an entry point's main() calls it:
   "final_loss", "global_step", "stopped_by_signal"}; "stopped_by_signal": the run saved a checkpoint in
   <output_dir>/checkpoints on SIGTERM/SIGINT and a rerun with --resume_from_checkpoint continues it exactly.
   Unless --skip_checkpoint, the final weights are a checkpoint there too (`--init_checkpoint <output_dir>/
-  checkpoints` evaluates it later; `checkpointing.py export` and `hf_interop.py export` read it).
+  checkpoints` evaluates it later; `python -m training.checkpointing export` and `hf_interop.py export` read it).
 - predict() returns, on every rank, a tuple of float32 CPU tensors [N, ...] in the order of `features`
   (each rank computes every world-th batch; the pieces are gathered).
 - Batches: the global batch is train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks, taken
@@ -43,14 +43,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import checkpointing
-import runtime
-from common import storage
+from common import deepspeed_config, storage
 from common.errors import InputError
 from hf_interop import read_config_file, read_pretrained_weights
 from modeling import BertConfig
 from optimization import get_parameter_groups
 from schedulers import LinearWarmUpScheduler
+from training import checkpointing, runtime
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -76,8 +75,8 @@ def build_parser(description: str, usage: str) -> tuple:
     add("--do_lower_case", action="store_true", help="Lower-case the text (uncased vocab).")
     add = groups["model"].add_argument
     add("--init_checkpoint", default=None, help="Pretrained weights: a run_pretraining.py output or tag directory "
-        "(any ZeRO stage and ranks; also s3://bucket/prefix[/tag]), a `checkpointing.py export` file, or a "
-        "Hugging Face BERT directory (default: none, fresh weights from --config_file).")
+        "(any ZeRO stage and ranks; also s3://bucket/prefix[/tag]), a `python -m training.checkpointing export` "
+        "file, or a Hugging Face BERT directory (default: none, fresh weights from --config_file).")
     add("--config_file", default=None, help="Model config JSON (default: the one --init_checkpoint records; "
         "needed when it records none).")
     runtime.add_compile_arguments(groups["model"])
@@ -153,7 +152,7 @@ def deepspeed_settings(args, world_size: int) -> dict:
     run_squad.py and run_glue.py, --train_batch_size is one process's batch per optimizer step: its micro-batch
     is train_batch_size / gradient_accumulation_steps (NVIDIA floors the division; here it must be exact)."""
     where = args.deepspeed_config or "the DeepSpeed settings"
-    config = runtime.read_deepspeed_config(args.deepspeed_config) if args.deepspeed_config else {}
+    config = deepspeed_config.read(args.deepspeed_config) if args.deepspeed_config else {}
     accumulation = args.gradient_accumulation_steps
     if accumulation is not None:
         if accumulation < 1:
@@ -183,7 +182,7 @@ def deepspeed_settings(args, world_size: int) -> dict:
     config.setdefault("gradient_clipping", 1.0)  # as NVIDIA's BertAdam (max_grad_norm 1.0)
     config.setdefault("steps_per_print", 10 ** 9)  # the loop logs
     # torch.optim.AdamW is an optimizer that ZeRO supports: no zero_allow_untested_optimizer needed.
-    return runtime.check_deepspeed_config(config, world_size, where)
+    return deepspeed_config.check(config, world_size, where)
 
 
 def load_pretrained(args) -> tuple:

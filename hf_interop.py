@@ -19,7 +19,7 @@ instead of loading the post-LN wiring. The fine-tuning scripts read it back.
         --vocab_file data/vocab.txt [--config_file scripts/bert_tiny_config.json] [--do_lower_case]
 
 --checkpoint: a run_pretraining.py output directory or tag directory (any ZeRO stage and world size),
-the file of `checkpointing.py export`, or a Hugging Face directory.
+the file of `python -m training.checkpointing export`, or a Hugging Face directory.
 transformers is never imported here; safetensors and tokenizers are.
 """
 
@@ -212,9 +212,9 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atte
 def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkpoint") -> tuple:
     """(BertConfig, weights in our names and shapes) from a run_pretraining.py output or tag directory (any
     ZeRO stage and world size, consolidated), a Hugging Face directory, or a state-dict file (the export of
-    checkpointing.py; it records no config, so config_file is needed). With config_file, the model is that
+    training/checkpointing.py; it records no config, so config_file is needed). With config_file, the model is that
     config (its dropout may differ) and the source must have its architecture."""
-    import checkpointing
+    from training import checkpointing
 
     source = Path(source)
     recorded, weights = None, None
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export", help="checkpoint -> config.json, model.safetensors, tokenizer files")
     export.add_argument("--checkpoint", required=True, help="run_pretraining.py output or tag directory, "
-                        "a checkpointing.py export file, or a Hugging Face directory")
+                        "a `python -m training.checkpointing export` file, or a Hugging Face directory")
     export.add_argument("--config_file", default=None, help="model config JSON (needed unless the checkpoint "
                         "records it: DeepSpeed checkpoints and Hugging Face directories do)")
     export.add_argument("--vocab_file", default="data/vocab.txt", help="vocab.txt of the model")

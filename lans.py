@@ -35,7 +35,7 @@ partition as one block (the reference's behaviour, ``--lans_blocks partition``).
 in each flat parameter (``TensorSegments``); every such piece is then a block, and the four norms of
 a tensor cut between ranks are combined from every rank's partial sum of squares, all blocks of one
 round in one ``all_reduce_sum`` call: two per group and step (the gradient norms; then the weight
-and the two direction norms, which need the first). The segments come from a wiring module (zero_partitions.py)
+and the two direction norms, which need the first). The segments come from a wiring module (training/zero_partitions.py)
 that reads DeepSpeed's partition metadata; this module imports no DeepSpeed.
 DeepSpeed 0.19.8's ZeRO-1/2 call ``step()`` once per group with ``param_groups`` narrowed to
 that group, so ``max_grad_norm`` then clips per group (over all ranks with segments, per rank without);

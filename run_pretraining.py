@@ -30,19 +30,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-import checkpointing
-import gaudi
-import hardware
-import runtime
-import sizing
-import zero_partitions
-from common import storage
+from common import deepspeed_config, storage
 from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
-from runtime import InputError, optimizer_step_suppressed
 from schedulers import PolyWarmUpScheduler
+from training import checkpointing, gaudi, hardware, runtime, sizing, zero_partitions
+from training.runtime import InputError, optimizer_step_suppressed
 
 if TYPE_CHECKING:  # deepspeed is imported only after runtime.choose_accelerator has picked the device
     import dllogger
@@ -134,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "barrier) waiting this long ends the job with an error naming the rank and host: another "
                          "rank died or stalled.")
     devices.add_argument("--skip_memory_check", action="store_true", help="Train even when the memory planner "
-                         "(sizing.py) predicts that the run does not fit the device.")
+                         "(training/sizing.py) predicts that the run does not fit the device.")
 
     s3 = parser.add_argument_group("S3", "With an s3:// --input_dir or --output_dir (docs/s3.md).")
     s3.add_argument("--s3_cache_dir", default="results/s3_cache", help="Local directory for shards downloaded "
@@ -232,7 +227,7 @@ def validate_args(args, world_size: int) -> tuple:
     runtime.check_writable_file(args.json_summary, "--json-summary")
     if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
         raise InputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
-    ds_config = load_deepspeed_config(args, world_size)
+    ds_config = deepspeed_config_with_optimizer(args, world_size)
     try:
         model_config = BertConfig.from_json_file(args.config_file)
     except (OSError, ValueError) as err:
@@ -266,9 +261,9 @@ def open_shard_files(args):
     return storage.ShardCache(store, storage.server_cache_dir(args.s3_cache_dir), int(args.s3_cache_gb * 2 ** 30))
 
 
-def load_deepspeed_config(args, world_size: int) -> dict:
-    """The DeepSpeed JSON (runtime.load_deepspeed_config) and an optimizer from it or --optimizer."""
-    config = runtime.load_deepspeed_config(args.deepspeed_config, world_size, client_optimizer=args.optimizer)
+def deepspeed_config_with_optimizer(args, world_size: int) -> dict:
+    """The DeepSpeed JSON (common/deepspeed_config.py) and an optimizer from it or --optimizer."""
+    config = deepspeed_config.load(args.deepspeed_config, world_size, client_optimizer=args.optimizer)
     if args.optimizer is None and "optimizer" not in config:
         raise InputError(f"no optimizer: pass --optimizer or add an optimizer section to {args.deepspeed_config}")
     return config
@@ -502,7 +497,7 @@ class Run:
     copies: checkpointing.CheckpointUploader | None  # for an s3:// --output_dir
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
-    graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (gaudi.py); else none
+    graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (training/gaudi.py); else none
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:

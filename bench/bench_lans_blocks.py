@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import zero_partitions
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import build_optimizer, get_parameter_groups
+from training import zero_partitions
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-import hardware
 import run_pretraining
-import sizing
 from modeling import BertConfig
+from training import hardware, sizing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

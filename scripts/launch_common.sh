@@ -13,7 +13,7 @@
 #                        Habana's mode: 1 (default) lazy, 0 compile (see hpu_environment)
 #   HL_DATA_DIR          the shard directory itself (default: the phase's dataset under HL_DATA_DIR_ROOT)
 #   HL_PHASE1_END_STEP   phase-2 launchers: the step of phase 1's last checkpoint in HL_CHECKPOINTS_DIR
-#   HL_MAX_RESTARTS HL_RESTART_WINDOW_S HL_MIN_HOSTS  several servers: supervisor.py restarts a failed job on
+#   HL_MAX_RESTARTS HL_RESTART_WINDOW_S HL_MIN_HOSTS  several servers: training/supervisor.py restarts a failed job on
 #                        the servers that pass the checks, at most HL_MAX_RESTARTS (3; 0: never) times within
 #                        HL_RESTART_WINDOW_S seconds (21600), on at least HL_MIN_HOSTS (half the servers)
 # Extra arguments given to a launcher are appended to run_pretraining.py's arguments.
@@ -93,7 +93,7 @@ PY
 # set it (a user's value is passed on as it is). RANK_ENV is an `env` prefix of the ranks' command, so that
 # the settings reach every server: the deepspeed runner passes on only a few variables of its own.
 #   PT_HPU_LAZY_MODE=1 (default): lazy mode, as the reference up to 1.16 (we follow 1.9.0); the driver cuts
-#     the graph with mark_step (gaudi.py). With the 5B config (the reference's test: the config file's name)
+#     the graph with mark_step (training/gaudi.py). With the 5B config (the reference's test: the config file's name)
 #     also 1.9.0's memory settings PT_HPU_POOL_MEM_ACQUIRE_PERC=100, ENABLE_EXPERIMENTAL_FLAGS=true and
 #     DISABLE_TENSOR_SIZE_VALIDATION=true.
 #   PT_HPU_LAZY_MODE=0: compile mode, as the reference from 1.17 on: --enable_torch_compile, nothing else.
@@ -176,14 +176,15 @@ rendezvous_args() {
     fi
 }
 
-# preflight.py: hostfile, every host over ssh, versions, data directory, batch arithmetic (HL_PREFLIGHT=0 skips).
+# training/preflight.py: hostfile, every host over ssh, versions, data directory, batch arithmetic (HL_PREFLIGHT=0
+# skips). It runs in the repository, as the ranks do (relative paths mean the same to both).
 run_preflight() {
     [[ "${HL_PREFLIGHT:-1}" == 0 ]] && return 0
-    "$PYTHON" "$REPO_ROOT/preflight.py" --deepspeed_config "$DS_CONFIG" --data_dir "$DATA_DIR" \
-        --num_nodes "$NUM_NODES" --ngpu_per_node "$NGPU_PER_NODE" --hostfile "$HOSTSFILE" || exit 1
+    (cd "$REPO_ROOT" && "$PYTHON" -m training.preflight --deepspeed_config "$DS_CONFIG" --data_dir "$DATA_DIR" \
+        --num_nodes "$NUM_NODES" --ngpu_per_node "$NGPU_PER_NODE" --hostfile "$HOSTSFILE") || exit 1
 }
 
-# One node: launch_ranks. Several: supervisor.py runs each attempt with --num_nodes, --hostfile, --master_addr
+# One node: launch_ranks. Several: training/supervisor.py runs each attempt with --num_nodes, --hostfile, --master_addr
 # and --master_port after `deepspeed`, prints its command, passes SIGTERM/SIGINT on, and restarts on the hosts
 # that remain.
 launch_pretraining() {
@@ -194,7 +195,7 @@ launch_pretraining() {
     if [[ "$NUM_NODES" != 1 ]]; then
         mkdir -p "$RESULTS_DIR"
         cd "$REPO_ROOT" || exit 1
-        exec "$PYTHON" "$REPO_ROOT/supervisor.py" --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
+        exec "$PYTHON" -m training.supervisor --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
             --ngpu_per_node "$NGPU_PER_NODE" --master_port "$MASTER_PORT" --deepspeed_config "$DS_CONFIG" \
             --data_dir "$DATA_DIR" --json_summary "$JSON_SUMMARY" --max_restarts "${HL_MAX_RESTARTS:-3}" \
             --restart_window_s "${HL_RESTART_WINDOW_S:-21600}" --min_hosts "${HL_MIN_HOSTS:-$(( (NUM_NODES + 1) / 2 ))}" \

@@ -1,5 +1,5 @@
 """Predict the memory each device needs for a pretraining run, by part, and whether it fits a 32 GB
-Gaudi, a 96 GB Gaudi2 and an 80 GB H100 (sizing.py does the arithmetic; docs/memory-planner.md).
+Gaudi, a 96 GB Gaudi2 and an 80 GB H100 (training/sizing.py does the arithmetic; docs/memory-planner.md).
 
     python scripts/plan_memory.py --config scripts/bert_1.5b_config.json \
         --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --world_size 8
@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-import sizing
 from modeling import BertConfig
+from training import sizing
 
 PARTS = (("parameters", "model weights (bf16, or fp32 without bf16)"),
          ("master_weights", "fp32 master weights (bf16 only; split under ZeRO-1/2)"),

@@ -8,7 +8,8 @@
 # Environment (defaults in brackets); relative paths are taken from the repository's root:
 #   TASK_NAME        cola | sst-2 | mrpc | sts-b | qqp | mnli | qnli | rte | wnli       [sst-2]
 #   DATA_DIR         the task's TSV directory (train.tsv, dev.tsv, ...)                  [glue/$TASK_NAME]
-#   INIT_CHECKPOINT  pretrained weights: run_pretraining.py's checkpoint directory, a checkpointing.py export
+#   INIT_CHECKPOINT  pretrained weights: run_pretraining.py's checkpoint directory, a
+#                    `python -m training.checkpointing export`
 #                    file or a Hugging Face directory                                    [results/bert_tiny/checkpoints]
 #   CONFIG_FILE      model config (needed only for an export file)                       [none]
 #   VOCAB_FILE [data/vocab.txt]  TRAIN_BATCH_SIZE [32]  LEARNING_RATE [2e-5]  EPOCHS [3]  MAX_SEQ_LENGTH [128]  SEED [2]

@@ -11,7 +11,8 @@
 #   HL_DEVICE=cpu HL_NGPU_PER_NODE=1 INIT_CHECKPOINT=results/bert_tiny/checkpoints SQUAD_DIR=results/squad_sample/v1.1 \
 #       EPOCHS=1 bash scripts/run_squad.sh --max_seq_length 64 --max_query_length 16
 #
-# Environment: INIT_CHECKPOINT (required: a run_pretraining.py output directory, a `checkpointing.py export`
+# Environment: INIT_CHECKPOINT (required: a run_pretraining.py output directory, a
+# `python -m training.checkpointing export`
 # file or a Hugging Face BERT directory), SQUAD_VERSION (v1.1 | v2.0), SQUAD_DIR (data/squad/$SQUAD_VERSION),
 # VOCAB_FILE (data/vocab.txt), TRAIN_BATCH_SIZE (32), LEARNING_RATE (4.6e-5), EPOCHS (2), and as for the
 # pretraining launchers HL_RESULTS_DIR (results/squad_$SQUAD_VERSION), HL_DS_CONFIG, HL_NUM_NODES (1),

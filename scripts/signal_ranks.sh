@@ -3,7 +3,7 @@
 # (python -u -m deepspeed.launcher.launch) runs with --master_addr=ADDR --master_port=PORT; the ranks are that
 # launcher's children. The launcher itself is not signalled: it would SIGKILL the ranks 30 s later.
 # Prints the number of ranks signalled. With --hosts H1,H2,…: the same on each of those hosts over pdsh
-# (ssh), printing the total (used by launch_common.sh and supervisor.py).
+# (ssh), printing the total (used by launch_common.sh and training/supervisor.py).
 #   bash scripts/signal_ranks.sh [--hosts H1,H2,...] ADDR PORT [SIGNAL (default TERM)]
 set -euo pipefail
 if [[ "${1:-}" == --hosts ]]; then

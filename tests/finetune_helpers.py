@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpointing
 import helpers
 from data.glue_sample import RULE_WORD, book_sentences, rule_labelled_sentences, write_sst2_rule_task  # noqa: F401
+from training import checkpointing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from data.shard_format import write_shard
-from runtime import free_port  # also for the tests that start processes
+from training.runtime import free_port  # also for the tests that start processes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-import hardware
 import run_pretraining
+from training import hardware
 
 
 def main():

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpointing
 import s3_helpers
 from common import storage
+from training import checkpointing
 
 
 def save_local(output_dir: Path, tag: str, world: int = 2, size: int = 1000) -> None:

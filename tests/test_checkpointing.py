@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-import checkpointing
-from checkpointing import CheckpointError, CheckpointWarning
+import helpers
 from helpers import init_single_process_group
+from training import checkpointing
+from training.checkpointing import CheckpointError, CheckpointWarning
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -515,8 +516,9 @@ def test_consolidated_state_dict(tmp_path, stage, bf16):
 
 
 def test_export_cli_errors_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, str(Path(checkpointing.__file__)), "export", "--output_dir",
-                             str(tmp_path / "none"), "--out", str(tmp_path / "w.pt")], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "training.checkpointing", "export", "--output_dir",
+                             str(tmp_path / "none"), "--out", str(tmp_path / "w.pt")], capture_output=True, text=True,
+                            cwd=helpers.REPO_ROOT)
     assert result.returncode == 1
     assert result.stderr.strip() == f"error: no checkpoint in {tmp_path / 'none'}"
     assert not (tmp_path / "w.pt").exists()

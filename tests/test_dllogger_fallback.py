@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import dllogger_fallback as dllogger
+from training import dllogger_fallback as dllogger
 
 
 @pytest.fixture(autouse=True)

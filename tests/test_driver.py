@@ -18,12 +18,11 @@ import h5py
 import pytest
 import torch
 
-import gaudi
 import helpers
 import run_pretraining as rp
-import runtime
 from hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
+from training import gaudi, runtime
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
              "tokens_per_second", "all_ranks_average_loss", "skipped_steps", "model_tflops", "mfu"}
@@ -193,7 +192,7 @@ def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
 # take a few rounds to settle its heap).
 PAGE_FAULT_PROBE = """
 import resource, sys, torch
-import runtime
+from training import runtime
 if sys.argv[1] == "kept":
     assert runtime.keep_freed_memory_in_process()
 for _ in range(10):
@@ -616,8 +615,8 @@ def unreadable_weight_files(directory) -> list:
 def test_unreadable_init_checkpoint_says_what_it_should_be(tmp_path):
     """One line of our own (what the file should be) with torch's reason after it, for any unreadable file;
     never a traceback, never torch's advice to load with weights_only=False."""
-    import runtime
     from modeling import BertConfig, BertForPreTraining
+    from training import runtime
     model = BertForPreTraining(BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG))
     reasons = set()
     for path in unreadable_weight_files(tmp_path / "files"):
@@ -641,7 +640,8 @@ def test_text_file_as_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --init_checkpoint {notes}: cannot read {notes} as weights; it should be a checkpoint tag "
                    "directory (holding mp_rank_00_model_states.pt) or a state-dict file written by torch.save (ours, "
-                   "checkpointing.py export's, or transformers' BertForPreTraining) (torch: IndexError: pop from "
+                   "`python -m training.checkpointing export`'s, or transformers' BertForPreTraining) "
+                   "(torch: IndexError: pop from "
                    "empty list)"]
 
 

@@ -22,7 +22,6 @@ import warnings
 import pytest
 import torch
 
-import checkpointing
 import helpers
 import run_pretraining
 from test_resume import (
@@ -36,6 +35,7 @@ from test_resume import (
     start,
     step_losses,
 )
+from training import checkpointing
 
 KILLS = 20
 TARGET_STEPS = 48          # 192 samples: the runs cross two epoch boundaries (81 samples each)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-import gaudi
 import helpers
 import run_pretraining as rp
+from training import gaudi
 
 FAKE_HABANA = helpers.FAKE_HABANA
 
@@ -216,7 +216,7 @@ def test_an_unknown_lazy_mode_value_is_one_clear_error(recording_deepspeed):
 
 COMPILE_WITH_HPU = """
 import torch
-import runtime
+from training import runtime
 
 runtime.choose_accelerator(use_hpu=True, no_cuda=False)  # what --use_hpu does before DeepSpeed's import
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-import hardware
+from training import hardware
 
 
 @pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),

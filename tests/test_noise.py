@@ -44,7 +44,7 @@ def test_a_cpu_launch_has_no_cuda_visible_devices_line_and_a_failing_rank_still_
 
 
 def test_deepspeeds_gather_shows_no_deprecation_line_and_other_warnings_still_show(tmp_path):
-    script = ("import warnings, torch, runtime\n"
+    script = ("import warnings, torch\nfrom training import runtime\n"
               "runtime.setup_device_and_distributed(use_hpu=False, no_cuda=True)\n"
               "out = torch.zeros(2)\n"
               "torch.distributed.all_gather_into_tensor(out, torch.ones(2))  # as DeepSpeed's comm falls through to\n"

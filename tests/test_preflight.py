@@ -1,4 +1,4 @@
-"""preflight.py: every problem is one error line naming the host and what differs; success prints the batch
+"""training/preflight.py: every problem is one error line naming the host and what differs; success prints the batch
 arithmetic. The ssh checks run against the test hosts (tests/multihost.py; root only, skipped otherwise)."""
 
 import json
@@ -8,9 +8,7 @@ import sys
 import pytest
 
 import helpers
-import preflight
-
-PREFLIGHT = helpers.REPO_ROOT / "preflight.py"
+from training import preflight
 
 
 @pytest.fixture
@@ -21,8 +19,8 @@ def inputs(tmp_path):
 
 
 def run(args, env=None, command_prefix=()):
-    return subprocess.run([*command_prefix, sys.executable, str(PREFLIGHT), *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([*command_prefix, sys.executable, "-m", "training.preflight", *map(str, args)], env=env,
+                          cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
 def one_error_line(result) -> str:

@@ -26,7 +26,6 @@ import psutil
 import pytest
 import torch
 
-import checkpointing
 import helpers
 import modeling
 import run_pretraining
@@ -34,6 +33,7 @@ from common.errors import InputError
 from data.dataset import SampleStream, scan_shards
 from data.shard_format import ShardError
 from test_checkpointing import read_only
+from training import checkpointing
 
 THIS_FILE = Path(__file__).resolve()
 KILL_ENV = "FAULT_KILL"
@@ -326,13 +326,13 @@ def test_resume_with_another_model_config_is_refused(tmp_path, shards):
 
 
 def test_export_for_fine_tuning(tmp_path, shards):
-    """`python checkpointing.py export` on a ZeRO-2 bf16 BERT checkpoint (tied decoder weight): the
+    """`python -m training.checkpointing export` on a ZeRO-2 bf16 BERT checkpoint (tied decoder weight): the
     fp32 master weights, equal to DeepSpeed's own zero_to_fp32, load into a fine-tuning model."""
     config, out = ds_config(tmp_path, 2, True, 1), tmp_path / "out"
     main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
-    result = subprocess.run([sys.executable, str(helpers.REPO_ROOT / "checkpointing.py"), "export", "--output_dir",
+    result = subprocess.run([sys.executable, "-m", "training.checkpointing", "export", "--output_dir",
                              str(out), "--out", str(tmp_path / "bert.pt")], capture_output=True, text=True,
-                            env=helpers.launcher_env())
+                            env=helpers.launcher_env(), cwd=helpers.REPO_ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     weights = torch.load(tmp_path / "bert.pt", weights_only=True)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

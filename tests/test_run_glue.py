@@ -8,7 +8,6 @@ import signal
 import pytest
 import torch
 
-import checkpointing
 import helpers
 import hf_interop
 import run_glue
@@ -22,6 +21,7 @@ from finetune_helpers import (
     write_sst2_rule_task,
 )
 from modeling import BertConfig
+from training import checkpointing
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -212,8 +212,8 @@ def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoin
 
 @pytest.mark.slow
 def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_checkpoint):
-    """The ZeRO-1 checkpoint directory, its tag directory, `checkpointing.py export`'s file (+ --config_file)
-    and our pre-LN `hf_interop.py export` directory all give the same weights."""
+    """The ZeRO-1 checkpoint directory, its tag directory, `python -m training.checkpointing export`'s file
+    (+ --config_file) and our pre-LN `hf_interop.py export` directory all give the same weights."""
     from types import SimpleNamespace
 
     from finetuning import load_pretrained

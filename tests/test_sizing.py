@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import helpers
-import sizing
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
+from training import sizing
 
 SCRIPTS = helpers.REPO_ROOT / "scripts"
 

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 import helpers
-import supervisor
 from test_multihost import SCRIPT_32X, launcher_env, make_job, wait_for
 from test_resume import last_shard_of_first_epoch
+from training import supervisor
 
 
 def ds_config(tmp_path, micro=4, total=24):
@@ -197,10 +197,11 @@ def test_a_runner_that_does_not_exit_after_an_error_is_ended(tmp_path, monkeypat
 
 
 def test_bad_arguments_are_one_line(tmp_path):
-    base = [sys.executable, str(helpers.REPO_ROOT / "supervisor.py"), "--hostfile", str(tmp_path / "none"),
+    base = [sys.executable, "-m", "training.supervisor", "--hostfile", str(tmp_path / "none"),
             "--num_nodes", "2", "--ngpu_per_node", "1", "--deepspeed_config", "x", "--data_dir", ".",
             "--json_summary", "j"]
-    result = subprocess.run([*base, "--min_hosts", "3", "--", "deepspeed"], capture_output=True, text=True)
+    result = subprocess.run([*base, "--min_hosts", "3", "--", "deepspeed"], cwd=helpers.REPO_ROOT, capture_output=True,
+                            text=True)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
         "--min_hosts must be between 1 and --num_nodes 2, got 3")
     result = subprocess.run([*base, "--", "deepspeed"], capture_output=True, text=True)

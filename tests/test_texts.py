@@ -7,7 +7,8 @@ import helpers
 
 # A repository path: one of the top-level folders, then a file name with a known extension; not part of a
 # longer path (a temporary directory, a package inside site-packages).
-REPO_PATH = re.compile(r"(?<![\w./$-])((?:scripts|tests|data|bench|\.ci)/[\w./-]*\w\.(?:py|sh|json|md|txt|tsv))\b")
+FOLDERS = "scripts|tests|data|bench|common|training|finetune|\\.ci"
+REPO_PATH = re.compile(rf"(?<![\w./$-])((?:{FOLDERS})/[\w./-]*\w\.(?:py|sh|json|md|txt|tsv))\b")
 MARKDOWN_NAME = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
 
 

@@ -18,10 +18,10 @@ import shutil
 import pytest
 import torch
 
-import checkpointing
 import helpers
 import run_pretraining as rp
 from test_driver_multirank import no_dropout_config
+from training import checkpointing
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist, deepspeed, deepspeed.ops
     from lans import LANS
-    import zero_partitions
+    from training import zero_partitions
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")

@@ -1,6 +1,6 @@
 """A stand-in for Habana's PyTorch bridge (habana_frameworks), for tests on machines without a Gaudi.
 
-It models only what the lazy-mode code of gaudi.py touches, and records every use in `CALLS` (and, when
+It models only what the lazy-mode code of training/gaudi.py touches, and records every use in `CALLS` (and, when
 FAKE_HABANA_LOG names a file, one line per use there, for tests that run a subprocess):
 - importing the package: "import";
 - `habana_frameworks.torch.core.mark_step()`: "mark_step" (the real one compiles and launches the ops

@@ -2,7 +2,7 @@
 
 - `choose_accelerator` before DeepSpeed's first import, then `setup_device_and_distributed`: device,
   backend and DeepSpeed's CPU traps; `seed_everything` (callers pass seed + global rank);
-- `load_deepspeed_config`: the JSON and its batch arithmetic; `initialize_engine`: deepspeed.initialize
+- `initialize_engine`: deepspeed.initialize (the JSON is read and checked by common/deepspeed_config.py)
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
 - `add_compile_arguments`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
 - `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
@@ -16,8 +16,6 @@ accelerator on first import.
 import argparse
 import ctypes
 import datetime
-import importlib.util
-import json
 import os
 import pickle
 import random
@@ -37,12 +35,11 @@ import torch
 import torch.distributed as dist
 
 from common.errors import InputError, one_line
-from preflight import batch_arithmetic
 
 try:
     import dllogger
 except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
-    import dllogger_fallback as dllogger
+    from training import dllogger_fallback as dllogger
 
 __all__ = ["InputError", "one_line"]  # re-exported: entry points take the error type from here
 
@@ -228,38 +225,6 @@ def seed_everything(seed: int):
 
 # ============================================================================ DeepSpeed config and engine
 
-def load_deepspeed_config(path, world_size: int, client_optimizer: str | None = None) -> dict:
-    """Read the DeepSpeed JSON and check it (check_deepspeed_config)."""
-    return check_deepspeed_config(read_deepspeed_config(path), world_size, path, client_optimizer)
-
-
-def read_deepspeed_config(path) -> dict:
-    if not path:
-        raise InputError("--deepspeed_config is required (e.g. scripts/deepspeed_config_bert_tiny_cpu.json)")
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise InputError(f"--deepspeed_config {path}: {err}") from err
-    if not isinstance(config, dict):
-        raise InputError(f"--deepspeed_config {path}: not a JSON object")
-    return config
-
-
-def check_deepspeed_config(config: dict, world_size: int, path, client_optimizer: str | None = None) -> dict:
-    """Check the batch arithmetic (preflight.batch_arithmetic, which the launchers' preflight uses too) and
-    what a client optimizer (its name, or None when the JSON's optimizer or one that ZeRO supports is used)
-    needs; sets gradient_accumulation_steps."""
-    _, config["gradient_accumulation_steps"], _ = batch_arithmetic(config, world_size, path)
-    zero_stage = config.get("zero_optimization", {}).get("stage", 0)
-    if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
-        raise InputError(f"{path}: ZeRO with --optimizer {client_optimizer} needs "
-                         '"zero_allow_untested_optimizer": true')
-    if config.get("tensorboard", {}).get("enabled") and importlib.util.find_spec("tensorboard") is None:
-        raise InputError(f"{path} enables TensorBoard but the tensorboard package is not installed "
-                         "(pip install tensorboard, or set tensorboard.enabled to false)")
-    return config
-
-
 @contextmanager
 def optimizer_step_suppressed(optimizer):
     """Within this block optimizer.step() does nothing (weights, moments and step counters untouched).
@@ -341,8 +306,8 @@ def log_first_step(logger, say, seconds: float) -> None:
 
 
 INIT_WEIGHT_SOURCES = ("it should be a checkpoint tag directory (holding mp_rank_00_model_states.pt) or a "
-                       "state-dict file written by torch.save (ours, checkpointing.py export's, or transformers' "
-                       "BertForPreTraining)")
+                       "state-dict file written by torch.save (ours, `python -m training.checkpointing export`'s, "
+                       "or transformers' BertForPreTraining)")
 # torch.load(weights_only=True) meets a file that is no torch file (text, random bytes) with whatever its
 # parser trips on: besides its own errors, an IndexError ("pop from empty list"), KeyError, struct.error...
 UNREADABLE_TORCH_FILE = (OSError, EOFError, RuntimeError, pickle.UnpicklingError, IndexError, KeyError, ValueError,
@@ -362,7 +327,7 @@ def torch_load_reason(err: Exception) -> str:
 
 def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
     """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
-    export of checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
+    export of training/checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
     path = Path(path)
     file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
     try:

@@ -22,7 +22,7 @@ fetch the checkpoint they need (see the section "copies on S3").
 
 Export for fine-tuning: consolidated_state_dict(output_dir, tag) gives the fp32 module weights
 (ZeRO-1/2: re-assembled from the per-rank optimizer partitions); from the shell:
-``python checkpointing.py export --output_dir D [--tag T] --out model.pt`` (D may be s3://bucket/prefix).
+``python -m training.checkpointing export --output_dir D [--tag T] --out model.pt`` (D may be s3://bucket/prefix).
 
 Trust: DeepSpeed 0.19.8 reads its own ``*_states.pt`` files with ``torch.load(weights_only=False)``
 (``TorchCheckpointEngine.load``), i.e. with full pickle, which can run arbitrary code. Load only
@@ -257,7 +257,7 @@ def _delete_tag_dir(tag_dir: Path) -> None:
 
 def _optimizer_layout(engine) -> dict:
     """What resuming on another world size needs to know of how the optimizer state is cut up."""
-    import zero_partitions
+    from training import zero_partitions
     return {"zero_stage": int(engine.zero_optimization_stage()),
             "optimizer_wrapper": type(engine.optimizer).__name__,
             "partitioned": zero_partitions.group_partitions(engine.optimizer) is not None,
@@ -492,7 +492,7 @@ def _is_partitioned(tag_dir: Path) -> bool:
 
 def _check_repartition_possible(tag_dir: Path, manifest: dict, engine, world: int) -> None:
     """One clear error, before anything is loaded, when the optimizer state cannot move to this run."""
-    import zero_partitions
+    from training import zero_partitions
     saved_partitioned = _is_partitioned(tag_dir)
     partitioned_now = zero_partitions.group_partitions(engine.optimizer) is not None
     if saved_partitioned != partitioned_now:
@@ -755,8 +755,8 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
     """Fill this rank's ZeRO-1/2 partitions from a checkpoint written by another number of ranks: the
     fp32 master weights and every partitioned optimizer state tensor (LANS/Adam moments) are put
     together per parameter from all saved partitions, then cut along this run's partitions (DeepSpeed's
-    own metadata, zero_partitions.py); per-group values (the step, hyperparameters) are copied."""
-    import zero_partitions
+    own metadata, training/zero_partitions.py); per-group values (the step, hyperparameters) are copied."""
+    from training import zero_partitions
     states = _load_partition_states(_partition_files(tag_dir))
     param_shapes = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt")["param_shapes"]
     parts = zero_partitions.group_partitions(engine.optimizer)
@@ -796,7 +796,7 @@ def _fill_fragments(part, values: dict, flat: torch.Tensor) -> None:
 
 
 def export_main(argv=None) -> int:
-    """`python checkpointing.py export --output_dir D [--tag T] --out model.pt`: one clear error
+    """`python -m training.checkpointing export --output_dir D [--tag T] --out model.pt`: one clear error
     line and exit status 1 on failure."""
     parser = argparse.ArgumentParser(description="Write a checkpoint's fp32 weights as a plain state dict.")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Checks before a pretraining job starts any process: the hostfile, every host over ssh, the batch arithmetic.
 
-    python preflight.py --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --data_dir DATA \
+    python -m training.preflight --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --data_dir DATA \
         --num_nodes 4 --ngpu_per_node 8 --hostfile scripts/hostsfile
 
 The launchers (scripts/run_bert_*.sh) run it first. With one node it checks only this machine. With
@@ -29,10 +29,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import deepspeed_config
 from common.errors import InputError
 
-REPO_ROOT = Path(__file__).resolve().parent
-CODE_GLOBS = ("*.py", "common/*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")  # what every rank runs or reads
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# What every rank runs or reads.
+CODE_GLOBS = ("*.py", "common/*.py", "training/*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")
 
 
 class PreflightError(InputError):
@@ -89,30 +91,10 @@ def hosts_for_job(hosts: list, num_nodes: int, ngpu_per_node: int, path) -> list
 
 # ============================================================================ batch arithmetic
 
-def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
-    """(micro-batch, accumulation steps, global batch) of a DeepSpeed config at this world size; the
-    driver's check too (runtime.load_deepspeed_config). `source` names the config in the error."""
-    micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
-    if not isinstance(micro, int) or not isinstance(total, int) or micro < 1 or total < 1:
-        raise PreflightError(f"{source}: set positive integers train_batch_size and train_micro_batch_size_per_gpu")
-    # The global batch is what a recipe fixes: the accumulation steps follow from it on any world size
-    # (a checkpoint resumed on another number of ranks keeps its batch; the driver logs the split).
-    if total % (micro * world_size):
-        raise PreflightError(f"{source}: train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu "
-                             f"{micro} x world size {world_size}: "
-                             f"this global batch cannot be kept on {world_size} ranks")
-    gas = total // (micro * world_size)
-    return micro, gas, total
-
-
 def read_batch_arithmetic(path, world_size: int) -> tuple:
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise PreflightError(f"DeepSpeed config {path}: {err}") from err
-    if not isinstance(config, dict):
-        raise PreflightError(f"DeepSpeed config {path}: not a JSON object")
-    return batch_arithmetic(config, world_size, path)
+    """(micro-batch, accumulation steps, global batch) of the DeepSpeed JSON at `path` on `world_size` ranks;
+    raises deepspeed_config.DeepSpeedConfigError (the driver's check too: common/deepspeed_config.py)."""
+    return deepspeed_config.batch_arithmetic(deepspeed_config.read(path), world_size, path)
 
 
 # ============================================================================ what a host must share
@@ -166,7 +148,8 @@ def probe_host(name: str, data_dir, timeout: float) -> dict:
     """describe_this_host() run on `name` over ssh; PreflightError (one line) when that fails."""
     remote = (f"cd {shlex.quote(str(REPO_ROOT))} 2>/dev/null || {{ echo 'no such directory' >&2; exit 3; }}; "
               f"test -x {shlex.quote(sys.executable)} || {{ echo 'no such interpreter' >&2; exit 4; }}; "
-              f"exec {shlex.quote(sys.executable)} preflight.py --describe --data_dir {shlex.quote(str(data_dir))}")
+              f"exec {shlex.quote(sys.executable)} -m training.preflight --describe "
+              f"--data_dir {shlex.quote(str(data_dir))}")
     command = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", name, remote]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -248,7 +231,7 @@ def main(argv=None) -> int:
     try:
         for line in run_checks(args):
             print(line, flush=True)
-    except PreflightError as err:
+    except InputError as err:  # PreflightError, or the DeepSpeed JSON's DeepSpeedConfigError
         for line in str(err).splitlines():
             print(f"error: preflight: {line}", file=sys.stderr)
         return 1

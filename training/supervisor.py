@@ -2,7 +2,7 @@
 """Runs a pretraining job across servers under DeepSpeed's `deepspeed` launcher, and restarts it on the
 servers that remain when it fails.
 
-    python supervisor.py --hostfile scripts/hostsfile --num_nodes 4 --ngpu_per_node 8 --master_port 29500 \
+    python -m training.supervisor --hostfile scripts/hostsfile --num_nodes 4 --ngpu_per_node 8 --master_port 29500 \
         --deepspeed_config DS.json --data_dir DATA --json_summary results/dllogger.json \
         --max_restarts 3 --restart_window_s 21600 --min_hosts 2 \
         -- deepspeed --num_gpus 8 --no_local_rank --no_python /venv/bin/python -u ./run_pretraining.py ...
@@ -12,7 +12,7 @@ launching server only. Each attempt is the command after `--` with `--num_nodes 
 --master_addr A --master_port P` put after `deepspeed`: F lists the attempt's K hosts, A is the first of them.
 When an attempt exits non-zero (a rank died, a collective timed out, a host became unreachable):
 - every host of the job (the first --num_nodes of the hostfile) is checked with the preflight's checks
-  (preflight.py: ssh, the same code, Python and pinned packages, the data directory);
+  (training/preflight.py: ssh, the same code, Python and pinned packages, the data directory);
 - the next attempt runs on the hosts that pass, as many of them as keep the DeepSpeed config's global batch
   (the accumulation steps adapt), resuming from the last checkpoint; a host that passes again is back;
 - it stops, with one `error: supervisor:` line, when fewer than --min_hosts hosts can be used, when
@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from preflight import REPO_ROOT, PreflightError, hosts_for_job, parse_hostfile, problems_by_host, read_batch_arithmetic
+from common.deepspeed_config import DeepSpeedConfigError
+from common.errors import InputError
+from training.preflight import REPO_ROOT, hosts_for_job, parse_hostfile, problems_by_host, read_batch_arithmetic
 
 try:
     import dllogger
 except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
-    import dllogger_fallback as dllogger
+    from training import dllogger_fallback as dllogger
 
 # After a rank's error line, the time the runner has to exit before it is ended: pdsh waits for every ssh
 # connection, and one to a server that vanished may never end (without ServerAliveInterval in ssh's config).
@@ -135,7 +137,7 @@ def usable_hosts(passing: list, ngpu_per_node: int, ds_config, min_hosts: int) -
         try:
             read_batch_arithmetic(ds_config, count * ngpu_per_node)
             return passing[:count]
-        except PreflightError as err:
+        except DeepSpeedConfigError as err:
             first_error = first_error or err
     raise SupervisorStop(f"{first_error}, nor on fewer hosts down to --min_hosts {min_hosts}")
 
@@ -291,7 +293,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="supervisor_") as workdir:  # the attempts' hostfiles
         try:
             supervisor = Supervisor(args, command, workdir)
-        except PreflightError as err:
+        except InputError as err:  # the hostfile's PreflightError, the DeepSpeed JSON's DeepSpeedConfigError
             print(f"error: supervisor: {err}", file=sys.stderr)
             return 1
         for signum in (signal.SIGTERM, signal.SIGINT):

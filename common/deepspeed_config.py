@@ -1,0 +1,69 @@
+"""The DeepSpeed JSON, read and checked without torch or DeepSpeed: the one reader for the launchers'
+preflight, the supervisor and every DeepSpeed entry point, with one error type.
+
+- `read`: the file as a dict;
+- `batch_arithmetic`: (micro-batch, accumulation steps, global batch) at a world size: the global batch is
+  what a recipe fixes, and it must split evenly over the ranks;
+- `check`: the batch arithmetic plus what the runtime needs (a client optimizer under ZeRO, TensorBoard);
+- `load`: read and check.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from common.errors import InputError
+
+EXAMPLE = "scripts/deepspeed_config_bert_tiny_cpu.json"
+
+
+class DeepSpeedConfigError(InputError):
+    """A DeepSpeed JSON that is missing, unreadable, or whose settings cannot run on the ranks asked for."""
+
+
+def read(path) -> dict:
+    if not path:
+        raise DeepSpeedConfigError(f"--deepspeed_config is required (e.g. {EXAMPLE})")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise DeepSpeedConfigError(f"--deepspeed_config {path}: {err}") from err
+    if not isinstance(config, dict):
+        raise DeepSpeedConfigError(f"--deepspeed_config {path}: not a JSON object")
+    return config
+
+
+def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
+    """(micro-batch, accumulation steps, global batch) of a DeepSpeed config at this world size. `source`
+    names the config in the error."""
+    micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+    if not isinstance(micro, int) or not isinstance(total, int) or micro < 1 or total < 1:
+        raise DeepSpeedConfigError(f"{source}: set positive integers train_batch_size and "
+                                   "train_micro_batch_size_per_gpu")
+    # The global batch is what a recipe fixes: the accumulation steps follow from it on any world size
+    # (a checkpoint resumed on another number of ranks keeps its batch; the driver logs the split).
+    if total % (micro * world_size):
+        raise DeepSpeedConfigError(f"{source}: train_batch_size {total} is not a multiple of "
+                                   f"train_micro_batch_size_per_gpu {micro} x world size {world_size}: "
+                                   f"this global batch cannot be kept on {world_size} ranks")
+    gas = total // (micro * world_size)
+    return micro, gas, total
+
+
+def check(config: dict, world_size: int, source, client_optimizer: str | None = None) -> dict:
+    """Check the batch arithmetic and what a client optimizer (its name, or None when the JSON's optimizer or
+    one that ZeRO supports is used) needs; sets gradient_accumulation_steps. `source` names the config."""
+    _, config["gradient_accumulation_steps"], _ = batch_arithmetic(config, world_size, source)
+    zero_stage = config.get("zero_optimization", {}).get("stage", 0)
+    if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
+        raise DeepSpeedConfigError(f"{source}: ZeRO with --optimizer {client_optimizer} needs "
+                                   '"zero_allow_untested_optimizer": true')
+    if config.get("tensorboard", {}).get("enabled") and importlib.util.find_spec("tensorboard") is None:
+        raise DeepSpeedConfigError(f"{source} enables TensorBoard but the tensorboard package is not installed "
+                                   "(pip install tensorboard, or set tensorboard.enabled to false)")
+    return config
+
+
+def load(path, world_size: int, client_optimizer: str | None = None) -> dict:
+    """`read`, then `check`."""
+    return check(read(path), world_size, path, client_optimizer)

@@ -1,0 +1,52 @@
+"""common/deepspeed_config.py: the one reader of the DeepSpeed JSON, without torch, and its one error type,
+seen through both of its users: the launchers' preflight (a CLI run before any rank) and the driver's check."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import helpers
+import run_pretraining
+from common import deepspeed_config
+from common.deepspeed_config import DeepSpeedConfigError
+from common.errors import InputError
+
+
+def test_the_reader_imports_neither_torch_nor_deepspeed():
+    code = "import sys; from common import deepspeed_config; print(sorted({'torch', 'deepspeed'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO_ROOT, capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_batch_arithmetic_against_the_division_done_by_hand(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 96, "train_micro_batch_size_per_gpu": 4}))
+    config = deepspeed_config.load(path, world_size=8)
+    assert config["gradient_accumulation_steps"] == 3  # 96 = 4 x 3 x 8
+    assert deepspeed_config.batch_arithmetic(config, 2, path) == (4, 12, 96)  # 96 = 4 x 12 x 2
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{", "Expecting property name"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}', "train_batch_size 10 is not a multiple"),
+    ('{"train_batch_size": 8}', "set positive integers train_batch_size and train_micro_batch_size_per_gpu"),
+])
+def test_preflight_and_driver_report_one_error_type_with_one_text(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    with pytest.raises(DeepSpeedConfigError, match=message) as raised:
+        deepspeed_config.load(path, world_size=1)
+    assert isinstance(raised.value, InputError)
+    (tmp_path / "data").mkdir()
+    preflight = subprocess.run([sys.executable, "-m", "training.preflight", "--deepspeed_config", str(path),
+                                "--data_dir", str(tmp_path / "data"), "--num_nodes", "1", "--ngpu_per_node", "1"],
+                               cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert preflight.returncode == 1 and preflight.stderr.strip() == f"error: preflight: {raised.value}"
+    with pytest.raises(DeepSpeedConfigError) as driver:
+        run_pretraining.deepspeed_config_with_optimizer(SimpleNamespace(deepspeed_config=str(path), optimizer="lans"),
+                                                        world_size=1)
+    assert str(driver.value) == str(raised.value)
