@@ -2,7 +2,7 @@
 """Fine-tune and evaluate BERT on a GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI).
 
 Flags follow NVIDIA's run_glue.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
-fine-tuning flags of finetuning.py). One process per device, or one process:
+fine-tuning flags of finetune/finetuning.py). One process per device, or one process:
 
     python run_glue.py --task_name sst-2 --data_dir glue/SST-2 --init_checkpoint results/bert_tiny/checkpoints \\
         --vocab_file data/vocab.txt --do_lower_case --output_dir results/glue_sst2 --do_train --do_eval
@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import finetuning
-import glue_metrics
 from common.errors import InputError
-from data.glue import TASKS, convert_examples_to_features, read_examples
+from finetune import finetuning, glue_metrics
+from finetune.glue import TASKS, convert_examples_to_features, read_examples
 from modeling import BertForSequenceClassification
 
 

@@ -2,7 +2,7 @@
 """Fine-tune and evaluate BERT on SQuAD v1.1 / v2.0.
 
 Flags follow NVIDIA's run_squad.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
-fine-tuning flags of finetuning.py). One process per device, or one process:
+fine-tuning flags of finetune/finetuning.py). One process per device, or one process:
 
     python run_squad.py --init_checkpoint results/bert_tiny/checkpoints --vocab_file data/vocab.txt \\
         --do_lower_case --train_file train-v1.1.json --predict_file dev-v1.1.json --do_train --do_predict \\
@@ -12,7 +12,7 @@ fine-tuning flags of finetuning.py). One process per device, or one process:
 Outputs in --output_dir (--do_predict / --do_eval): predictions.json ({question id: answer text}),
 nbest_predictions.json ({id: [{text, probability, start_logit, end_logit}]}), for v2.0 null_odds.json ({id:
 null score minus best answer score}); with --do_eval eval_results.json (the official scripts' figures, see
-squad_metrics.py) and the dllogger keys exact_match and F1 (v2.0: also HasAns_*, NoAns_*, best_*);
+finetune/squad_metrics.py) and the dllogger keys exact_match and F1 (v2.0: also HasAns_*, NoAns_*, best_*);
 checkpoints/ (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
 """
 
@@ -21,11 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import finetuning
-import squad_metrics
 from common.atomic_write import write_text_atomically
 from common.errors import InputError
-from data import squad
+from finetune import finetuning, squad, squad_metrics
 from modeling import BertForQuestionAnswering
 
 

@@ -1,5 +1,5 @@
 """BERT WordPiece tokenization of a vocab.txt with Hugging Face `tokenizers`: one definition for the
-pretraining data tool and the fine-tuning readers (data/glue.py, data/squad.py)."""
+pretraining data tool and the fine-tuning readers (finetune/glue.py, finetune/squad.py)."""
 from pathlib import Path
 
 from common.errors import InputError

@@ -74,7 +74,7 @@ def test_bad_compile_flags_are_refused_before_training(tmp_path, shards, flags, 
 
 @pytest.mark.slow
 def test_fine_tuning_compiled_follows_eager(tmp_path, monkeypatch):
-    """run_glue.py (finetuning.py's loop, which run_squad.py shares): the same losses and dev predictions."""
+    """run_glue.py (finetune/finetuning.py's loop, which run_squad.py shares): the same losses and dev predictions."""
     import run_glue
     from finetune_helpers import TINY_CONFIG, write_sst2_rule_task
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")

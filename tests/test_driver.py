@@ -20,7 +20,7 @@ import torch
 
 import helpers
 import run_pretraining as rp
-from hf_interop import to_transformers_config
+from finetune.hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
 from training import gaudi, runtime
 

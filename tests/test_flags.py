@@ -54,7 +54,7 @@ def parse(name, argv):
     if name == "run_pretraining":
         import run_pretraining
         return run_pretraining.parse_arguments(argv)
-    import finetuning
+    from finetune import finetuning
     module = __import__(name)
     return finetuning.parse_arguments(module.build_parser(), argv)
 

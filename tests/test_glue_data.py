@@ -1,5 +1,5 @@
-"""data/glue.py and glue_metrics.py: each task's TSV layout read back, strict errors, BERT features, and the
-metrics against hand-computed values (and numpy's own Pearson as a second reference)."""
+"""finetune/glue.py and finetune/glue_metrics.py: each task's TSV layout read back, strict errors, BERT features,
+and the metrics against hand-computed values (and numpy's own Pearson as a second reference)."""
 
 import math
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import glue_metrics
 from common.errors import InputError
-from data.glue import TASKS, convert_examples_to_features, read_examples, truncate_pair
 from data.tokenization import load_tokenizer
+from finetune import glue_metrics
+from finetune.glue import TASKS, convert_examples_to_features, read_examples, truncate_pair
 from finetune_helpers import REPO_ROOT, book_sentences
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"

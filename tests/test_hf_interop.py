@@ -1,4 +1,4 @@
-"""hf_interop.py against the real transformers: export -> BertForPreTraining.from_pretrained gives our logits;
+"""finetune/hf_interop.py against the real transformers: export -> BertForPreTraining.from_pretrained gives our logits;
 a transformers save_pretrained directory read back gives transformers' logits; a pre-LN export loads in
 transformers through its remote code (hf_modeling_pre_ln.py) with equal logits, is refused by transformers'
 own BERT and is read back by us; the weight sources and their one-line errors."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
-import hf_interop
 from common.errors import InputError
+from finetune import hf_interop
 from finetune_helpers import REPO_ROOT, book_sentences
 from modeling import BertConfig, BertForPreTraining
 

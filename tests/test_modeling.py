@@ -85,7 +85,7 @@ def hidden_dropout_names(config):
 
 def transformers_model(transformers, config):
     """transformers.BertForPreTraining with the shape and dropout of `config` (randomly initialised)."""
-    from hf_interop import to_transformers_config
+    from finetune.hf_interop import to_transformers_config
     return transformers.BertForPreTraining(transformers.BertConfig(**to_transformers_config(config)))
 
 

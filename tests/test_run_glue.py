@@ -1,6 +1,6 @@
 """run_glue.py end to end with the real DeepSpeed: one-line errors, the learning check from the pretrained
 tiny checkpoint (and its negative control), SIGTERM -> checkpoint -> exact resume, 2 ranks through the real
-`deepspeed` launcher equal to 1 rank, and the weight sources of finetuning.py."""
+`deepspeed` launcher equal to 1 rank, and the weight sources of finetune/finetuning.py."""
 
 import json
 import signal
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import helpers
-import hf_interop
 import run_glue
 from common.errors import InputError
+from finetune import hf_interop
 from finetune_helpers import (
     REPO_ROOT,
     TINY_CONFIG,
@@ -93,7 +93,7 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
 def batch_settings(train_batch_size, accumulation, world_size=1, deepspeed_config=None):
     from types import SimpleNamespace
 
-    import finetuning
+    from finetune import finetuning
     args = SimpleNamespace(train_batch_size=train_batch_size, gradient_accumulation_steps=accumulation,
                            deepspeed_config=deepspeed_config)
     config = finetuning.deepspeed_settings(args, world_size)
@@ -213,10 +213,10 @@ def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoin
 @pytest.mark.slow
 def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_checkpoint):
     """The ZeRO-1 checkpoint directory, its tag directory, `python -m training.checkpointing export`'s file
-    (+ --config_file) and our pre-LN `hf_interop.py export` directory all give the same weights."""
+    (+ --config_file) and our pre-LN `python -m finetune.hf_interop export` directory all give the same weights."""
     from types import SimpleNamespace
 
-    from finetuning import load_pretrained
+    from finetune.finetuning import load_pretrained
 
     assert checkpointing.export_main(["export", "--output_dir", str(pretrained_tiny_checkpoint),
                                       "--out", str(tmp_path / "model.pt")]) == 0

@@ -93,8 +93,8 @@ def test_eval_needs_answers(tmp_path, capfd):
 
 def test_short_run_writes_official_files(tmp_path, squad_files):
     """Two training steps, then prediction and evaluation on a v2.0 file: the files have the official shapes
-    and eval_results.json is what squad_metrics.py says about predictions.json + null_odds.json."""
-    import squad_metrics
+    and eval_results.json is what finetune/squad_metrics.py says about predictions.json + null_odds.json."""
+    from finetune import squad_metrics
     train, dev = squad_files
     out = tmp_path / "out"
     summary = run_squad.main(squad_argv(out, train_file=train, predict_file=dev, do_train=True, do_predict=True,

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-import finetuning
 import helpers
 import run_pretraining
 import s3_helpers
 import test_resume  # (the driver under its kill wrapper, losses and checkpoint comparisons)
 from common import storage
 from data.shard_format import SHARD_KEYS
+from finetune import finetuning
 from training import checkpointing
 
 DATA_TOOL = helpers.REPO_ROOT / "data" / "create_pretraining_data.py"

@@ -1,4 +1,4 @@
-"""data/squad.py: reading SQuAD JSON (bad input = one error naming the place), BERT features (doc-stride
+"""finetune/squad.py: reading SQuAD JSON (bad input = one error naming the place), BERT features (doc-stride
 windows, answer spans, v2.0 [CLS]) and span decoding on constructed logits."""
 import json
 import re
@@ -10,8 +10,8 @@ import pytest
 
 import helpers
 from common.errors import InputError
-from data import squad
 from data.squad_sample import sample_sentences, word_questions, write_squad
+from finetune import squad
 from finetune_helpers import REPO_ROOT
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"

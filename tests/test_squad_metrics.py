@@ -1,4 +1,4 @@
-"""squad_metrics.py against hand-computed cases (normalisation, F1, gold answers, v2.0 no-answer scoring and
+"""finetune/squad_metrics.py against hand-computed cases (normalisation, F1, gold answers, v2.0 no-answer scoring and
 best thresholds) and its command line."""
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import squad_metrics as m
+from finetune import squad_metrics as m
 from finetune_helpers import REPO_ROOT
 
 
@@ -127,7 +127,7 @@ def test_v2_best_thresholds_take_ties_in_the_probability_files_order(na_probs, e
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(REPO_ROOT / "squad_metrics.py"), *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "finetune.squad_metrics", *map(str, args)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -34,7 +34,7 @@ from common.errors import InputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # What every rank runs or reads.
-CODE_GLOBS = ("*.py", "common/*.py", "training/*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")
+CODE_GLOBS = ("*.py", "common/*.py", "training/*.py", "finetune/*.py", "data/*.py", "scripts/*.sh", "scripts/*.json")
 
 
 class PreflightError(InputError):

@@ -1,6 +1,7 @@
 """SQuAD evaluation with the official rules (v1.1 and v2.0), written for this repository.
 
-    python squad_metrics.py dev-v2.0.json predictions.json [--na-prob-file null_odds.json] [--na-prob-thresh 1.0]
+    python -m finetune.squad_metrics dev-v2.0.json predictions.json [--na-prob-file null_odds.json] \
+        [--na-prob-thresh 1.0]
 
 Answers are compared after normalisation: lower case, punctuation removed, the articles a/an/the removed,
 whitespace collapsed. Exact match is 1 when the normalised prediction equals a normalised gold answer;

@@ -23,7 +23,8 @@ Interface, in the order an entry point's main() calls it:
   "final_loss", "global_step", "stopped_by_signal"}; "stopped_by_signal": the run saved a checkpoint in
   <output_dir>/checkpoints on SIGTERM/SIGINT and a rerun with --resume_from_checkpoint continues it exactly.
   Unless --skip_checkpoint, the final weights are a checkpoint there too (`--init_checkpoint <output_dir>/
-  checkpoints` evaluates it later; `python -m training.checkpointing export` and `hf_interop.py export` read it).
+  checkpoints` evaluates it later; `python -m training.checkpointing export` and
+  `python -m finetune.hf_interop export` read it).
 - predict() returns, on every rank, a tuple of float32 CPU tensors [N, ...] in the order of `features`
   (each rank computes every world-th batch; the pieces are gathered).
 - Batches: the global batch is train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks, taken
@@ -45,7 +46,7 @@ import torch.distributed as dist
 
 from common import deepspeed_config, storage
 from common.errors import InputError
-from hf_interop import read_config_file, read_pretrained_weights
+from finetune.hf_interop import read_config_file, read_pretrained_weights
 from modeling import BertConfig
 from optimization import get_parameter_groups
 from schedulers import LinearWarmUpScheduler

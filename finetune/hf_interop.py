@@ -15,7 +15,7 @@ logits. Its config.json (model_type "bert_pre_ln") declares every layer "pre_ln"
 transformers' own classes refuse: a plain `transformers.BertForPreTraining.from_pretrained(dir)` raises
 instead of loading the post-LN wiring. The fine-tuning scripts read it back.
 
-    python hf_interop.py export --checkpoint results/bert_tiny/checkpoints --output_dir results/bert_tiny/hf \\
+    python -m finetune.hf_interop export --checkpoint results/bert_tiny/checkpoints --output_dir results/bert_tiny/hf \\
         --vocab_file data/vocab.txt [--config_file scripts/bert_tiny_config.json] [--do_lower_case]
 
 --checkpoint: a run_pretraining.py output directory or tag directory (any ZeRO stage and world size),

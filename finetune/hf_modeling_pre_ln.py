@@ -1,7 +1,7 @@
 """Pre-LN BERT (the BERT-1.5B/5B wiring) for transformers, as remote code that travels with an export.
 
-`hf_interop.py export` copies this file into a pre-LN export directory and names its classes in config.json's
-`auto_map`, so that transformers loads the export with this wiring:
+`python -m finetune.hf_interop export` copies this file into a pre-LN export directory and names its classes in
+config.json's `auto_map`, so that transformers loads the export with this wiring:
 
     transformers.AutoModelForPreTraining.from_pretrained(directory, trust_remote_code=True)
 
