@@ -227,7 +227,7 @@ def validate_args(args, world_size: int) -> tuple:
     runtime.check_writable_file(args.json_summary, "--json-summary")
     if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
         raise InputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
-    ds_config = deepspeed_config_with_optimizer(args, world_size)
+    ds_config = deepspeed_config_with_optimizer(args.deepspeed_config, world_size, args.optimizer)
     try:
         model_config = BertConfig.from_json_file(args.config_file)
     except (OSError, ValueError) as err:
@@ -261,11 +261,11 @@ def open_shard_files(args):
     return storage.ShardCache(store, storage.server_cache_dir(args.s3_cache_dir), int(args.s3_cache_gb * 2 ** 30))
 
 
-def deepspeed_config_with_optimizer(args, world_size: int) -> dict:
+def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer: str | None) -> dict:
     """The DeepSpeed JSON (common/deepspeed_config.py) and an optimizer from it or --optimizer."""
-    config = deepspeed_config.load(args.deepspeed_config, world_size, client_optimizer=args.optimizer)
-    if args.optimizer is None and "optimizer" not in config:
-        raise InputError(f"no optimizer: pass --optimizer or add an optimizer section to {args.deepspeed_config}")
+    config = deepspeed_config.load(path, world_size, client_optimizer=client_optimizer)
+    if client_optimizer is None and "optimizer" not in config:
+        raise InputError(f"no optimizer: pass --optimizer or add an optimizer section to {path}")
     return config
 
 
@@ -291,14 +291,14 @@ def inspect_data(args, global_micro_batch: int) -> DataInfo:
 
 # ============================================================================ model, optimizer, engine
 
-def build_model(args, config: BertConfig):
+def build_model(config: BertConfig, init_checkpoint: str | Path | None, checkpoint_interval: int) -> BertForPreTraining:
+    """checkpoint_interval: layers per activation-checkpointed chunk, 0 for none."""
     model = BertForPreTraining(config)
-    if args.init_checkpoint:
-        runtime.load_init_weights(model, args.init_checkpoint)
-    if args.checkpoint_activations:
+    if init_checkpoint:
+        runtime.load_init_weights(model, init_checkpoint)
+    if checkpoint_interval:
         import deepspeed
-        model.checkpoint_activations(True, args.checkpoint_activations_interval,
-                                     checkpoint_fn=deepspeed.checkpointing.checkpoint)
+        model.checkpoint_activations(True, checkpoint_interval, checkpoint_fn=deepspeed.checkpointing.checkpoint)
     return model
 
 
@@ -337,16 +337,16 @@ class TrainState:
     bad_steps_in_a_row: int = 0
 
 
-def checkpoint_tag(args, state: TrainState) -> str:
+def checkpoint_tag(state: TrainState, phase1_end_step: int) -> str:
     # Phase-2 tags continue after phase 1's, so both phases can share one output directory.
-    return str(state.global_step + (args.phase1_end_step if state.phase == 2 else 0))
+    return str(state.global_step + (phase1_end_step if state.phase == 2 else 0))
 
 
-def describe_data_layout(args, data: DataInfo, window_size: int) -> dict:
+def describe_data_layout(shards: list, window_size: int, seed: int, shuffle: bool) -> dict:
     """What the stream position indexes into (data/dataset.py): a resume must see the same layout, or the
     saved position would point at other samples (repeats and gaps in the epoch)."""
-    return {"seed": args.seed, "window_size": window_size, "shuffle": not args.disable_random_sampler,
-            "shards": sorted([shard.name, shard.num_samples] for shard in data.shards)}
+    return {"seed": seed, "window_size": window_size, "shuffle": shuffle,
+            "shards": sorted([shard.name, shard.num_samples] for shard in shards)}
 
 
 LAYOUT_FLAGS = {"seed": "--seed", "window_size": "--data_memory_budget_mb", "shuffle": "--disable_random_sampler",
@@ -433,10 +433,10 @@ def start_phase2(engine, optimizer, fresh_schedule):
     engine.global_steps = engine.global_samples = engine.skipped_steps = 0
 
 
-def save(run, state: TrainState) -> str:
+def save(run: "Run", state: TrainState) -> str:
     """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's). With an
     s3:// --output_dir, the copy of the previous checkpoint is waited for, and this one's started."""
-    args, tag = run.args, checkpoint_tag(run.args, state)
+    tag = checkpoint_tag(state, run.phase1_end_step)
     client_state = {"global_step": state.global_step, "samples_consumed": state.samples_consumed,
                     "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
                     "model_config": run.model_config.to_dict(), "world_size": run.world,
@@ -446,8 +446,8 @@ def save(run, state: TrainState) -> str:
         run.copies.finish(run.device)
     checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,
                                   {"rng": checkpointing.capture_rng_state()})
-    if args.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
-        checkpointing.prune_checkpoints(run.checkpoint_dir, args.keep_last_n_checkpoints)
+    if run.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
+        checkpointing.prune_checkpoints(run.checkpoint_dir, run.keep_last_n_checkpoints)
     if run.copies is not None:
         run.copies.start(tag)
     run.say(f"saved checkpoint {tag}")
@@ -479,7 +479,6 @@ class LogWindow:
 @dataclass(kw_only=True)
 class Run:
     """What the loop needs besides its state; built once in main."""
-    args: argparse.Namespace
     engine: "DeepSpeedEngine"
     optimizer: torch.optim.Optimizer  # the one that steps (the client's, else the JSON's): its param_groups hold the LR
     criterion: BertPretrainingCriterion
@@ -498,6 +497,16 @@ class Run:
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
     graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (training/gaudi.py); else none
+    # from the flags
+    max_steps: int
+    steps_this_run: float          # math.inf for --steps_this_run -1
+    log_freq: int
+    max_bad_steps: int
+    checkpoint_every: int | None   # --num_steps_per_checkpoint; None with --skip_checkpoint
+    keep_last_n_checkpoints: int   # 0 = keep all
+    phase1_end_step: int
+    log_first_step_time: bool      # --enable_torch_compile: the first step's time is mostly compilation
+    progress_bar: bool             # rank 0 without --disable_progress_bar
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
@@ -589,16 +598,14 @@ def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device) -> tuple:
 
 def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
-    args, say = run.args, run.say
-    max_steps, log_freq = int(args.max_steps), int(args.log_freq)
-    steps_this_run = args.steps_this_run if args.steps_this_run > 0 else math.inf
-    progress = make_progress_bar(args, state, max_steps)
+    say, every = run.say, run.checkpoint_every
+    progress = make_progress_bar(state, run.max_steps, run.progress_bar)
     window, last_window, steps_done, last_saved = LogWindow(), LogWindow(), 0, None
-    while state.global_step < max_steps and steps_done < steps_this_run:
+    while state.global_step < run.max_steps and steps_done < run.steps_this_run:
         # ---------------------------------------------------------------- step
         step_started = time.perf_counter()
         result = train_step(run, batches, stop_event, profiler)
-        if args.enable_torch_compile and steps_done == 0:
+        if run.log_first_step_time and steps_done == 0:
             runtime.log_first_step(run.logger, say, time.perf_counter() - step_started)
         state.global_step += 1
         steps_done += 1
@@ -614,17 +621,17 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
             state.bad_steps_in_a_row += 1
             say(f"step {state.global_step}: non-finite loss, update skipped ({state.bad_steps_in_a_row} in a row)")
         # ---------------------------------------------------------------- log, checkpoint
-        if state.global_step % log_freq == 0:
+        if state.global_step % run.log_freq == 0:
             log_window(run, state, window)
             window, last_window = LogWindow(), window
-        if not args.skip_checkpoint and steps_done % args.num_steps_per_checkpoint == 0:
+        if every is not None and steps_done % every == 0:
             last_saved = save(run, state)
         # ---------------------------------------------------------------- stop early
-        if state.bad_steps_in_a_row >= args.max_bad_steps:
-            if not args.skip_checkpoint and last_saved != checkpoint_tag(args, state):
+        if state.bad_steps_in_a_row >= run.max_bad_steps:
+            if every is not None and last_saved != checkpoint_tag(state, run.phase1_end_step):
                 save(run, state)
             raise TrainingStopped(f"{state.bad_steps_in_a_row} consecutive steps had a non-finite loss "
-                                  f"(--max_bad_steps {args.max_bad_steps}); stopped at step {state.global_step}")
+                                  f"(--max_bad_steps {run.max_bad_steps}); stopped at step {state.global_step}")
         if result.stop_requested:
             say(f"stop requested (SIGTERM/SIGINT): stopping after step {state.global_step}")
             break
@@ -632,16 +639,15 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     # As the reference, the final record and the training time end before the final checkpoint is saved.
     ended = time.perf_counter()
     final = log_window(run, state, window if window.steps else last_window, final=True)
-    if not args.skip_checkpoint and steps_done and last_saved != checkpoint_tag(args, state):
+    if every is not None and steps_done and last_saved != checkpoint_tag(state, run.phase1_end_step):
         save(run, state)
     return {**final, "ended": ended, "steps_done": steps_done,
             "stopped_by_signal": bool(steps_done and result.stop_requested)}
 
 
-def make_progress_bar(args, state: TrainState, max_steps: int):
+def make_progress_bar(state: TrainState, max_steps: int, show: bool):
     from tqdm import tqdm
-    disable = args.disable_progress_bar or dist.get_rank() != 0
-    return tqdm(total=max_steps, initial=state.global_step, desc="steps", disable=disable, dynamic_ncols=True)
+    return tqdm(total=max_steps, initial=state.global_step, desc="steps", disable=not show, dynamic_ncols=True)
 
 
 # ============================================================================ main
@@ -668,34 +674,42 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     log_parameters(logger, args, ds_config)
-    check_memory(args, device, ds_config, model_config, data, world, say)
+    checkpoint_interval = args.checkpoint_activations_interval if args.checkpoint_activations else 0
+    check_memory(device, ds_config, model_config, data, world, say, checkpoint_interval=checkpoint_interval,
+                 client_optimizer=args.optimizer, skip_memory_check=args.skip_memory_check)
     peak_dtype = torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32
     peak, peak_source = hardware.peak_tflops(device, peak_dtype, args.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
     logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
-    model = build_model(args, model_config)
+    model = build_model(model_config, args.init_checkpoint, checkpoint_interval)
     graph_breaks = gaudi.graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
     engine, optimizer = build_engine(args, model, ds_config)
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
-    data_layout = describe_data_layout(args, data, window_size)
+    data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)
     checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
     if copies is not None:
         copies.prepare(device, args.resume_from_checkpoint, str(args.resume_step) if args.resume_step >= 0 else None)
     state = restore_state(args, checkpoint_dir, engine, optimizer, model_config, data_layout, say)
     if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
-        return nothing_to_train(args, state, logger, say, time.perf_counter() - started)
+        return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger, say,
+                                time.perf_counter() - started)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
                           shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
-    run = Run(args=args, engine=engine, optimizer=optimizer, criterion=BertPretrainingCriterion(), device=device,
+    run = Run(engine=engine, optimizer=optimizer, criterion=BertPretrainingCriterion(), device=device,
               logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len, model_config=model_config,
               say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
               copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
                                                                                 data.max_pred),
-              peak_tflops=peak, graph_breaks=graph_breaks)
+              peak_tflops=peak, graph_breaks=graph_breaks,
+              max_steps=int(args.max_steps), log_freq=int(args.log_freq), max_bad_steps=args.max_bad_steps,
+              steps_this_run=args.steps_this_run if args.steps_this_run > 0 else math.inf,
+              checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
+              keep_last_n_checkpoints=args.keep_last_n_checkpoints, phase1_end_step=args.phase1_end_step,
+              log_first_step_time=args.enable_torch_compile, progress_bar=rank == 0 and not args.disable_progress_bar)
     first_step = state.global_step
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
@@ -722,13 +736,14 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     return summary
 
 
-def check_memory(args, device, ds_config: dict, model_config: BertConfig, data: DataInfo, world: int, say) -> None:
+def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig, data: DataInfo, world: int,
+                 say: Callable[[str], None], *, checkpoint_interval: int, client_optimizer: str | None,
+                 skip_memory_check: bool) -> None:
     """Refuse, before the model is built, a run the memory planner says cannot fit this device."""
     run = sizing.Run.from_deepspeed_config(
-        ds_config, world, data.seq_len, data.max_pred,
-        args.checkpoint_activations_interval if args.checkpoint_activations else 0,
+        ds_config, world, data.seq_len, data.max_pred, checkpoint_interval,
         # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
-        args.optimizer if args.optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans", on_cpu=device.type == "cpu")
+        client_optimizer if client_optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans", on_cpu=device.type == "cpu")
     predicted = sizing.device_memory(model_config, run)["total"]
     available, description = hardware.device_memory_bytes(device)
     if available is None:
@@ -741,13 +756,14 @@ def check_memory(args, device, ds_config: dict, model_config: BertConfig, data: 
                f"{sizing.USABLE_FRACTION:.0%} of {available / 2**30:.1f} GiB ({description}); lower "
                "train_micro_batch_size_per_gpu, add --checkpoint_activations, or use more ranks or a higher "
                "ZeRO stage (scripts/plan_memory.py shows the parts)")
-    if not args.skip_memory_check:
+    if not skip_memory_check:
         raise InputError(message + "; --skip_memory_check trains anyway")
     say(f"warning: {message}; training anyway (--skip_memory_check)")
 
 
-def nothing_to_train(args, state: TrainState, logger, say, elapsed: float) -> dict:
-    say(f"checkpoint {checkpoint_tag(args, state)} is already at --max_steps {int(args.max_steps)}: nothing to train")
+def nothing_to_train(tag: str, max_steps: int, state: TrainState, logger: "dllogger.Logger",
+                     say: Callable[[str], None], elapsed: float) -> dict:
+    say(f"checkpoint {tag} is already at --max_steps {max_steps}: nothing to train")
     summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), "stopped_by_signal": False, "nothing_to_train": True}
     logger.log(step=(), data=summary)

@@ -158,7 +158,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
 
     def masters_and_steps():
-        engine, optimizer = rp.build_engine(args, rp.build_model(args, model_config), dict(ds_dict))
+        engine, optimizer = rp.build_engine(args, rp.build_model(model_config, None, 0), dict(ds_dict))
         masters = [m for group in engine.optimizer.fp32_groups for m in group]
         weights = [p.float() for group in engine.optimizer.fp16_groups for p in group]
         unchanged = all(torch.equal(m, w) for m, w in zip(masters, weights))
@@ -554,9 +554,7 @@ def test_init_checkpoint_loads_weights_with_a_fresh_optimizer(tmp_path, tiny_sha
     _, _, first_dir = run(tmp_path / "first", tiny_shards, max_steps=2)
     saved = torch.load(first_dir / "2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     # The model main builds holds the checkpoint's weights (bf16 there, cast to fp32 here).
-    args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "second", first_dir.parent / "ds.json",
-                                                  init_checkpoint=first_dir / "2"))
-    weights = rp.build_model(args, rp.BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG)).state_dict()
+    weights = rp.build_model(rp.BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG), first_dir / "2", 0).state_dict()
     assert set(saved) == set(weights)
     assert all(torch.equal(weights[k], saved[k].float()) for k in saved)
     # ... and the run starts at step 0 with a fresh optimizer.
@@ -645,7 +643,7 @@ def test_text_file_as_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, c
                    "empty list)"]
 
 
-def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path, tiny_shards):
+def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path):
     """Interoperability: a transformers.BertForPreTraining (post-LN) state dict starts a run as it is."""
     transformers = pytest.importorskip("transformers")
     tiny = json.loads(Path(helpers.TINY_MODEL_CONFIG).read_text())
@@ -655,9 +653,7 @@ def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path, tiny_shards
     hf_model = transformers.BertForPreTraining(transformers.BertConfig(**to_transformers_config(config)))
     hf_weights = hf_model.state_dict()
     torch.save(hf_weights, tmp_path / "hf.pt")
-    args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "out", tmp_path / "ds.json",
-                                                  init_checkpoint=tmp_path / "hf.pt"))
-    ours = rp.build_model(args, config).state_dict()
+    ours = rp.build_model(config, tmp_path / "hf.pt", 0).state_dict()
     assert all(torch.equal(ours[key], hf_weights[key]) for key in ours)
 
 

@@ -230,7 +230,6 @@ def test_several_nodes_without_hostfile_fail_early(stub_launcher):
                                                   ("deepspeed_config_bert_5b.json", 128, 4, 2)])
 def test_reference_deepspeed_configs_are_accepted_by_stock_deepspeed(tmp_path, name, world, gas, stage):
     import json
-    from types import SimpleNamespace
 
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -238,8 +237,7 @@ def test_reference_deepspeed_configs_are_accepted_by_stock_deepspeed(tmp_path, n
     config = json.loads((SCRIPTS / name).read_text())
     config["tensorboard"]["enabled"] = False  # the tensorboard package is not a test dependency
     (tmp_path / name).write_text(json.dumps(config))
-    args = SimpleNamespace(deepspeed_config=str(tmp_path / name), optimizer="lans")
-    config = rp.deepspeed_config_with_optimizer(args, world)
+    config = rp.deepspeed_config_with_optimizer(str(tmp_path / name), world, "lans")
     assert config["gradient_accumulation_steps"] == gas  # 12288 = micro x GAS x world, as the reference
     assert DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage  # no fork-only keys
     assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0
