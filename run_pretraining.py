@@ -461,7 +461,7 @@ class LogWindow:
     """Loss and time accumulated since the last log record (the reference's average_loss etc.).
 
     Skipped (non-finite) steps count for the time but not for the losses: their loss is meaningless."""
-    started: float = field(default_factory=time.perf_counter)
+    started: float               # Run.clock() at the window's start
     steps: int = 0
     local_losses: list = field(default_factory=list)      # this rank's mean loss per finite optimizer step
     all_rank_losses: list = field(default_factory=list)   # the same averaged over ranks
@@ -482,6 +482,8 @@ class Run:
     engine: "DeepSpeedEngine"
     optimizer: torch.optim.Optimizer  # the one that steps (the client's, else the JSON's): its param_groups hold the LR
     criterion: BertPretrainingCriterion
+    clock: Callable[[], float]  # time.perf_counter; a parameter of main, so a test can fake it
+    all_reduce: Callable[[torch.Tensor], object]  # dist.all_reduce; a test stands in for other ranks with its own
     device: torch.device
     logger: "dllogger.Logger"  # runtime.build_logger: dllogger's, or dllogger_fallback's without the package
     micro_batch: int
@@ -511,7 +513,7 @@ class Run:
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
     """One dllogger record, computed as the reference computes it; returns the record."""
-    step_time = (time.perf_counter() - window.started) / max(window.steps, 1)
+    step_time = (run.clock() - window.started) / max(window.steps, 1)
     model_tflops = run.micro_batch * run.gas / step_time * run.flops_per_sequence / 1e12  # per device
     record = {"average_loss": mean_or_nan(window.local_losses),
               "all_ranks_average_loss": mean_or_nan(window.all_rank_losses),
@@ -572,7 +574,8 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
         run.graph_breaks.after_backward()
         losses.append(loss.detach().float())
         if micro == run.gas - 1:
-            nonfinite, stop, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(), run.device)
+            nonfinite, stop, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(), run.device,
+                                                           run.all_reduce)
             learning_rate = run.optimizer.param_groups[0]["lr"]
         with optimizer_step_suppressed(run.optimizer) if micro == run.gas - 1 and nonfinite else nullcontext():
             engine.step()
@@ -585,11 +588,12 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
                       batch.skipped_shards, batch.next_position)
 
 
-def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device) -> tuple:
+def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device: torch.device,
+                       all_reduce: Callable[[torch.Tensor], object]) -> tuple:
     """One all-reduce per optimizer step: (any rank non-finite, any rank asked to stop, sum of mean losses)."""
     stats = torch.stack([(~torch.isfinite(losses)).any().float(), torch.tensor(float(stop_local), device=device),
                          torch.nan_to_num(losses.mean(), nan=0.0, posinf=0.0, neginf=0.0)])
-    dist.all_reduce(stats)
+    all_reduce(stats)
     nonfinite, stop, loss_sum = stats.tolist()
     return nonfinite > 0, stop > 0, loss_sum
 
@@ -598,15 +602,15 @@ def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device) -> tuple:
 
 def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
-    say, every = run.say, run.checkpoint_every
+    say, every, clock = run.say, run.checkpoint_every, run.clock
     progress = make_progress_bar(state, run.max_steps, run.progress_bar)
-    window, last_window, steps_done, last_saved = LogWindow(), LogWindow(), 0, None
+    window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
     while state.global_step < run.max_steps and steps_done < run.steps_this_run:
         # ---------------------------------------------------------------- step
-        step_started = time.perf_counter()
+        step_started = clock()
         result = train_step(run, batches, stop_event, profiler)
         if run.log_first_step_time and steps_done == 0:
-            runtime.log_first_step(run.logger, say, time.perf_counter() - step_started)
+            runtime.log_first_step(run.logger, say, clock() - step_started)
         state.global_step += 1
         steps_done += 1
         state.samples_consumed = result.next_position
@@ -623,7 +627,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
         # ---------------------------------------------------------------- log, checkpoint
         if state.global_step % run.log_freq == 0:
             log_window(run, state, window)
-            window, last_window = LogWindow(), window
+            window, last_window = LogWindow(clock()), window
         if every is not None and steps_done % every == 0:
             last_saved = save(run, state)
         # ---------------------------------------------------------------- stop early
@@ -637,7 +641,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
             break
     progress.close()
     # As the reference, the final record and the training time end before the final checkpoint is saved.
-    ended = time.perf_counter()
+    ended = clock()
     final = log_window(run, state, window if window.steps else last_window, final=True)
     if every is not None and steps_done and last_saved != checkpoint_tag(state, run.phase1_end_step):
         save(run, state)
@@ -652,21 +656,27 @@ def make_progress_bar(state: TrainState, max_steps: int, show: bool):
 
 # ============================================================================ main
 
-def main(argv=None) -> dict:
-    """Run the training; returns the summary (the reference's final dllogger record) on every rank."""
-    started = time.perf_counter()
+def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
+         criterion: BertPretrainingCriterion | None = None) -> dict:
+    """Run the training; returns the summary (the reference's final dllogger record) on every rank.
+    clock (seconds) and criterion (default: BertPretrainingCriterion()) are there for tests: a fake clock,
+    a loss that turns NaN on chosen steps."""
+    started = clock()
     args = parse_arguments(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config, model_config, data, copies = validate_args(args, world_size)
     try:
-        return train_run(args, started, ds_config, model_config, data, copies)
+        return train_run(args, started, ds_config, model_config, data, copies, clock,
+                         criterion if criterion is not None else BertPretrainingCriterion())
     finally:  # also after an error: the process must not end in the middle of a checkpoint copy
         if copies is not None:
             copies.wait()
         data.shard_files.close()
 
 
-def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo, copies) -> dict:
+def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
+              copies: checkpointing.CheckpointUploader | None, clock: Callable[[], float],
+              criterion: BertPretrainingCriterion) -> dict:
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
                                                   args.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -692,14 +702,15 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     state = restore_state(args, checkpoint_dir, engine, optimizer, model_config, data_layout, say)
     if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
         return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger, say,
-                                time.perf_counter() - started)
+                                clock() - started)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
                           shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
-    run = Run(engine=engine, optimizer=optimizer, criterion=BertPretrainingCriterion(), device=device,
+    run = Run(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
+              device=device,
               logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len, model_config=model_config,
               say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
               copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
@@ -713,7 +724,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     first_step = state.global_step
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
-    train_started = time.perf_counter()
+    train_started = clock()
     try:
         with runtime.stop_requests() as stop_event, profiler if profiler is not None else nullcontext():
             final = train(run, state, batches, stop_event, profiler)
@@ -724,7 +735,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
     model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
-    summary = {"e2e_train_time": time.perf_counter() - started,
+    summary = {"e2e_train_time": clock() - started,
                "training_sequences_per_second": sequences / raw_train_time,
                "model_tflops": model_tflops, "mfu": model_tflops / peak,
                "training_tokens_per_second": sequences * data.seq_len / raw_train_time,

@@ -22,7 +22,7 @@ import helpers
 import run_pretraining as rp
 from finetune.hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
-from training import gaudi, runtime
+from training import checkpointing, gaudi, runtime
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
              "tokens_per_second", "all_ranks_average_loss", "skipped_steps", "model_tflops", "mfu"}
@@ -38,11 +38,12 @@ def cpu_accelerator(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
-def run(tmp_path, shards, stage=1, bf16=True, micro=4, gas=1, **flags):
+def run(tmp_path, shards, stage=1, bf16=True, micro=4, gas=1, clock=time.perf_counter, criterion=None, **flags):
     """main(argv) for a tiny run in tmp_path; returns (summary, dllogger path, checkpoint dir)."""
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=stage, bf16=bf16, micro=micro, gas=gas)
     json_summary, output_dir = tmp_path / "dllogger.json", tmp_path / "checkpoints"
-    summary = rp.main(helpers.driver_argv(shards, output_dir, ds_config, json_summary=json_summary, **flags))
+    summary = rp.main(helpers.driver_argv(shards, output_dir, ds_config, json_summary=json_summary, **flags),
+                      clock=clock, criterion=criterion)
     return summary, json_summary, output_dir
 
 
@@ -61,17 +62,14 @@ class PoisonedCriterion(BertPretrainingCriterion):
         return loss * float("nan") if self.calls in self.bad_calls else loss
 
 
-def capture_engine(monkeypatch):
-    """Keep what build_engine returns, to look at the optimizer after main() returned."""
-    captured = {}
-    original = rp.build_engine
+def saved_lans_state(output_dir, tag) -> dict:
+    """LANS's state dict in checkpoint <output_dir>/<tag> (under ZeRO-1/2, rank 0's, inside DeepSpeed's)."""
+    state = checkpointing.saved_optimizer_states(output_dir, tag)[0]
+    return state.get("base_optimizer_state", state)
 
-    def build_and_keep(*args, **kwargs):
-        captured["engine"], captured["optimizer"] = original(*args, **kwargs)
-        return captured["engine"], captured["optimizer"]
 
-    monkeypatch.setattr(rp, "build_engine", build_and_keep)
-    return captured
+def saved_lans_steps(output_dir, tag) -> list:
+    return [group["step"] for group in saved_lans_state(output_dir, tag)["param_groups"]]
 
 
 # ============================================================================ runs complete
@@ -124,20 +122,15 @@ def test_reference_metrics_are_computed_as_the_reference_does(tmp_path, tiny_sha
     assert summary["final_loss"] == pytest.approx(steps[-1]["data"]["average_loss"])
 
 
-def test_final_metrics_do_not_include_the_final_checkpoint_save(tmp_path, tiny_shards, monkeypatch):
-    """The driver's clock jumps 1000 s inside save() (a fake clock: no real waiting): raw_train_time, the
-    throughput and the final record's time per step must not see it, the end-to-end time must."""
-    clock = {"offset": 0.0}
-    real_perf_counter, original_save = time.perf_counter, rp.save
+def test_final_metrics_do_not_include_the_final_checkpoint_save(tmp_path, tiny_shards):
+    """The driver's clock is 1000 s ahead once the run's only checkpoint, the final one, is saved (a fake
+    clock: no real waiting): raw_train_time, the throughput and the final record's time per step must not
+    see it, the end-to-end time must."""
+    def clock():
+        return time.perf_counter() + (1000.0 if (tmp_path / "checkpoints" / "latest").exists() else 0.0)
 
-    def slow_save(*args):
-        clock["offset"] += 1000.0
-        return original_save(*args)
-
-    monkeypatch.setattr(rp, "time", SimpleNamespace(perf_counter=lambda: real_perf_counter() + clock["offset"]))
-    monkeypatch.setattr(rp, "save", slow_save)
-    summary, json_summary, output_dir = run(tmp_path, tiny_shards, max_steps=2, log_freq=2)
-    assert (output_dir / "latest").read_text().strip() == "2" and clock["offset"] == 1000.0
+    summary, json_summary, output_dir = run(tmp_path, tiny_shards, clock=clock, max_steps=2, log_freq=2)
+    assert (output_dir / "latest").read_text().strip() == "2" and not (output_dir / "1").exists()
     final = next(r["data"] for r in helpers.read_dllogger(json_summary)
                  if r["type"] == "LOG" and "final_loss" in r["data"] and r["step"] != [])
     assert summary["e2e_train_time"] > 1000
@@ -279,49 +272,45 @@ def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, tiny_shar
 # ============================================================================ non-finite loss, signals
 
 @pytest.mark.parametrize("stage,bf16", [(0, False), (1, True)], ids=["zero0_fp32", "zero1_bf16"])
-def test_non_finite_steps_are_skipped_and_counted(tmp_path, tiny_shards, monkeypatch, stage, bf16):
-    captured = capture_engine(monkeypatch)
-    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls={2, 3}))
-    summary, json_summary, _ = run(tmp_path, tiny_shards, stage=stage, bf16=bf16, max_steps=5, log_freq=1)
+def test_non_finite_steps_are_skipped_and_counted(tmp_path, tiny_shards, stage, bf16):
+    summary, json_summary, output_dir = run(tmp_path, tiny_shards, stage=stage, bf16=bf16, max_steps=5, log_freq=1,
+                                            criterion=PoisonedCriterion(bad_calls={2, 3}))
     assert summary["skipped_steps"] == 2 and summary["global_step"] == 5
     assert [r["data"]["skipped_steps"] for r in helpers.step_records(json_summary)] == [0, 1, 2, 2, 2]
-    # Only the 3 good steps reached LANS, and no NaN reached the weights.
-    assert [g["step"] for g in captured["optimizer"].param_groups] == [3, 3]
-    assert all(torch.isfinite(p).all() for p in captured["engine"].module.parameters())
+    # Only the 3 good steps reached LANS, and no NaN reached the weights (the final checkpoint's).
+    assert saved_lans_steps(output_dir, "5") == [3, 3]
+    assert all(torch.isfinite(w).all() for w in checkpointing.consolidated_state_dict(output_dir, "5").values())
 
 
-def test_skipped_steps_do_not_count_as_loss_zero_in_the_averages(tmp_path, tiny_shards, monkeypatch):
+def test_skipped_steps_do_not_count_as_loss_zero_in_the_averages(tmp_path, tiny_shards):
     """Steps 2 and 3 of 4 are non-finite: a log_freq=4 window averages the losses of steps 1 and 4 only, as
     logged one by one by a log_freq=1 run on the same seed; a window of only skipped steps logs NaN."""
-    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls={2, 3}))
-    run(tmp_path / "each", tiny_shards, stage=0, bf16=False, max_steps=4, log_freq=1, skip_checkpoint=True)
+    run(tmp_path / "each", tiny_shards, stage=0, bf16=False, max_steps=4, log_freq=1, skip_checkpoint=True,
+        criterion=PoisonedCriterion(bad_calls={2, 3}))
     each = [r["data"] for r in helpers.step_records(tmp_path / "each" / "dllogger.json")]
     assert all(math.isnan(each[i]["average_loss"]) and math.isnan(each[i]["all_ranks_average_loss"]) for i in (1, 2))
     expected = (each[0]["step_loss"] + each[3]["step_loss"]) / 2  # one micro-batch per step: step_loss = its loss
     summary, json_summary, _ = run(tmp_path / "window", tiny_shards, stage=0, bf16=False, max_steps=4, log_freq=4,
-                                   skip_checkpoint=True)
+                                   skip_checkpoint=True, criterion=PoisonedCriterion(bad_calls={2, 3}))
     (window,) = [r["data"] for r in helpers.step_records(json_summary)]
     assert window["average_loss"] == pytest.approx(expected, rel=1e-6)
     assert window["all_ranks_average_loss"] == pytest.approx(expected, rel=1e-6)
     assert summary["final_loss"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_too_many_bad_steps_stop_with_a_checkpoint(tmp_path, tiny_shards, monkeypatch, capsys):
-    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(bad_calls=range(2, 100)))
-    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True)
-    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=10, max_bad_steps=3)
-    assert rp.cli(argv) == 1
-    assert "3 consecutive steps had a non-finite loss" in capsys.readouterr().err
-    assert (tmp_path / "out" / "latest").read_text().strip() == "4"
+def test_too_many_bad_steps_stop_with_a_checkpoint(tmp_path, tiny_shards):
+    with pytest.raises(rp.TrainingStopped, match="^3 consecutive steps had a non-finite loss"):
+        run(tmp_path, tiny_shards, max_steps=10, max_bad_steps=3, criterion=PoisonedCriterion(bad_calls=range(2, 100)))
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "4"
 
 
-def test_sigterm_finishes_the_step_saves_and_returns(tmp_path, tiny_shards, monkeypatch):
+def test_sigterm_finishes_the_step_saves_and_returns(tmp_path, tiny_shards):
     def terminate_on_second_call(call):
         if call == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(rp, "BertPretrainingCriterion", lambda: PoisonedCriterion(on_call=terminate_on_second_call))
-    summary, _, output_dir = run(tmp_path, tiny_shards, max_steps=6)
+    summary, _, output_dir = run(tmp_path, tiny_shards, max_steps=6,
+                                 criterion=PoisonedCriterion(on_call=terminate_on_second_call))
     assert summary["stopped_by_signal"] and summary["global_step"] == 2
     assert (output_dir / "latest").read_text().strip() == "2"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
@@ -413,11 +402,9 @@ def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, capsys, case):
 
 
 @pytest.mark.parametrize("where", ["output_dir", "json_summary_dir"])
-def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shards, capsys, monkeypatch, where):
+def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shards, capsys, where):
     """A read-only --output_dir (or --json-summary's directory) used to fail only at the first checkpoint save."""
     from test_checkpointing import read_only
-    steps = []
-    monkeypatch.setattr(rp, "train_step", lambda *args: steps.append(args))
     locked = tmp_path / "locked"
     locked.mkdir()
     out, log = ((locked / "out", tmp_path / "log.json") if where == "output_dir"
@@ -427,10 +414,11 @@ def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shard
         assert rp.cli(helpers.driver_argv(tiny_shards, out, ds_config, json_summary=log)) == 1
     flag = "--output_dir" if where == "output_dir" else "--json-summary's directory"
     path = out if where == "output_dir" else locked
-    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    out, err = capsys.readouterr()
+    (error,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert re.fullmatch(rf"error: {re.escape(flag)} {re.escape(str(path))} is not writable: (Read-only file system|"
                         r"Permission denied)", error), error
-    assert not steps
+    assert "[run_pretraining]" not in out  # refused while checking the flags: no device, model or step yet
 
 
 def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
@@ -516,29 +504,27 @@ def test_tensorboard_monitor_writes_event_files(tmp_path, tiny_shards):
 
 # ============================================================================ phase 2, init checkpoint, profiler
 
-def test_phase2_resets_step_counters_and_schedule_but_keeps_moments(tmp_path, tiny_shards, monkeypatch):
+def test_phase2_resets_step_counters_and_schedule_but_keeps_moments(tmp_path, tiny_shards):
+    """One phase-2 step after a 3-step phase 1, seen in the checkpoints and the log."""
     _, _, output_dir = run(tmp_path, tiny_shards, max_steps=3)
-    seen = {}
-    original = rp.start_phase2
-
-    def observe(engine, optimizer, fresh_schedule):
-        seen["steps_before"] = [g["step"] for g in optimizer.param_groups]
-        original(engine, optimizer, fresh_schedule)
-        seen["steps_after"] = [g["step"] for g in optimizer.param_groups]
-        seen["moments_nonzero"] = any(s["exp_avg"].abs().sum() > 0 for s in optimizer.state.values())
-        seen["lr"] = optimizer.param_groups[0]["lr"]
-
-    monkeypatch.setattr(rp, "start_phase2", observe)
     (tmp_path / "dllogger.json").unlink()
     phase2_shards = tmp_path / "phase2_shards"  # other data (the real phase 2: seq 512): no data layout check
     helpers.write_synthetic_shards(phase2_shards, [30])
-    summary, json_summary, _ = run(tmp_path, phase2_shards, max_steps=4, warmup_proportion=0.5, learning_rate=0.004,
-                                   phase2=True, phase1_end_step=3, resume_from_checkpoint=True, log_freq=1)
-    assert seen["steps_before"] == [3, 3] and seen["steps_after"] == [0, 0] and seen["moments_nonzero"]
+    summary, json_summary, _ = run(tmp_path, phase2_shards, max_steps=4, steps_this_run=1, warmup_proportion=0.5,
+                                   learning_rate=0.004, phase2=True, phase1_end_step=3, resume_from_checkpoint=True,
+                                   log_freq=1)
+    assert summary["global_step"] == 1
+    assert (output_dir / "latest").read_text().strip() == "4"  # phase-2 tags continue after phase 1's
     # Phase 2's own schedule restarts: step 1 of 4 with warm-up 0.5 -> lr = 0.004 * (1/4) / 0.5.
-    assert seen["lr"] == pytest.approx(0.002)
-    assert summary["global_step"] == 4
-    assert (output_dir / "latest").read_text().strip() == "7"  # phase-2 tags continue after phase 1's
+    assert [r["data"]["learning_rate"] for r in helpers.step_records(json_summary)] == pytest.approx([0.002])
+    assert saved_lans_steps(output_dir, "3") == [3, 3] and saved_lans_steps(output_dir, "4") == [1, 1]
+    # The moments carry on: one step of v <- beta2 v + (1 - beta2) g^2 keeps v >= beta2 v everywhere; moments
+    # reset to zero would leave (1 - beta2) g^2 alone, below beta2 v wherever g^2 < v / (1 - beta2) * beta2.
+    beta2 = 0.999  # LANS's default
+    before, after = (saved_lans_state(output_dir, tag)["state"] for tag in ("3", "4"))
+    assert before.keys() == after.keys() and all(before[key]["exp_avg_sq"].sum() > 0 for key in before)
+    assert all(bool((after[key]["exp_avg_sq"] >= beta2 * before[key]["exp_avg_sq"] * (1 - 1e-6)).all())
+               for key in before)
 
 
 def test_phase2_from_the_wrong_step_is_an_error(tmp_path, tiny_shards, capsys):
@@ -550,7 +536,7 @@ def test_phase2_from_the_wrong_step_is_an_error(tmp_path, tiny_shards, capsys):
     assert "checkpoint 2 is at step 2, but --phase1_end_step is 7" in capsys.readouterr().err
 
 
-def test_init_checkpoint_loads_weights_with_a_fresh_optimizer(tmp_path, tiny_shards, monkeypatch):
+def test_init_checkpoint_loads_weights_with_a_fresh_optimizer(tmp_path, tiny_shards):
     _, _, first_dir = run(tmp_path / "first", tiny_shards, max_steps=2)
     saved = torch.load(first_dir / "2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     # The model main builds holds the checkpoint's weights (bf16 there, cast to fp32 here).
@@ -558,10 +544,9 @@ def test_init_checkpoint_loads_weights_with_a_fresh_optimizer(tmp_path, tiny_sha
     assert set(saved) == set(weights)
     assert all(torch.equal(weights[k], saved[k].float()) for k in saved)
     # ... and the run starts at step 0 with a fresh optimizer.
-    captured = capture_engine(monkeypatch)
-    summary, _, _ = run(tmp_path / "second", tiny_shards, max_steps=1, init_checkpoint=first_dir / "2")
+    summary, _, second_dir = run(tmp_path / "second", tiny_shards, max_steps=1, init_checkpoint=first_dir / "2")
     assert summary["global_step"] == 1
-    assert [g["step"] for g in captured["optimizer"].param_groups] == [1, 1]
+    assert saved_lans_steps(second_dir, "1") == [1, 1]
 
 
 @pytest.mark.parametrize("problem", ["corrupt", "other_config", "not_a_state_dict"])
@@ -678,7 +663,7 @@ class RecordingCriterion(BertPretrainingCriterion):
 
 @pytest.mark.parametrize("other_rank", [(0.0, 0.0, 2.5), (1.0, 0.0, 0.0), (0.0, 1.0, 9.0)],
                          ids=["finite", "other_rank_non_finite", "other_rank_stop_request"])
-def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, monkeypatch, other_rank):
+def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, other_rank):
     """train_step as rank 0 of a world of 2: the all-reduce adds what a second rank sends ([non-finite flag,
     stop flag, its mean loss]); the step's mean loss must be (this rank's mean + the other's) / 2, a
     non-finite loss on the other rank must skip the update here, and its stop request must stop this rank."""
@@ -703,10 +688,10 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, monkeypa
         reduced.append(tensor.clone())
         tensor += torch.tensor(other_rank, dtype=tensor.dtype)
 
-    monkeypatch.setattr(rp, "dist", SimpleNamespace(all_reduce=all_reduce_with_a_second_rank))
     criterion = RecordingCriterion()
     run = SimpleNamespace(engine=engine, optimizer=optimizer, criterion=criterion, device=torch.device("cpu"),
-                          gas=2, world=2, say=print, graph_breaks=gaudi.NoGraphBreaks())
+                          gas=2, world=2, say=print, graph_breaks=gaudi.NoGraphBreaks(),
+                          all_reduce=all_reduce_with_a_second_rank)
     before = [p.detach().clone() for p in engine.module.parameters()]
     try:
         result = rp.train_step(run, batches, SimpleNamespace(is_set=lambda: False), None)

@@ -718,6 +718,17 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
     return manifest["model_config"], {name: weights[name] for name in module}
 
 
+def saved_optimizer_states(output_dir, tag: str) -> list[dict]:
+    """The optimizer state of checkpoint <output_dir>/<tag> as saved, read without an engine: ZeRO-1/2,
+    every rank's state dict in rank order (the client optimizer's own under "base_optimizer_state");
+    ZeRO-0, the one state dict of the model states file."""
+    tag_dir = Path(output_dir) / str(tag)
+    partition_files = _partition_files(tag_dir)
+    if partition_files:
+        return _load_partition_states(partition_files)
+    return [_load_weights_only(tag_dir / "mp_rank_00_model_states.pt")["optimizer"]]
+
+
 # Keys of DeepSpeed 0.19.8's ZeRO-1/2 optimizer state dicts (DeepSpeedZeroOptimizer and BF16_Optimizer).
 _FP32_PARTITIONS = "single_partition_of_fp32_groups"
 _BASE_STATE = "base_optimizer_state"
