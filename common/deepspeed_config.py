@@ -2,8 +2,8 @@
 preflight, the supervisor and every DeepSpeed entry point, with one error type.
 
 - `read`: the file as a dict;
-- `batch_arithmetic`: (micro-batch, accumulation steps, global batch) at a world size: the global batch is
-  what a recipe fixes, and it must split evenly over the ranks;
+- `batch_arithmetic` (`read_batch_arithmetic` from a file): (micro-batch, accumulation steps, global batch) at a
+  world size: the global batch is what a recipe fixes, and it must split evenly over the ranks;
 - `check`: the batch arithmetic plus what the runtime needs (a client optimizer under ZeRO, TensorBoard);
 - `load`: read and check.
 """
@@ -48,6 +48,11 @@ def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
                                    f"this global batch cannot be kept on {world_size} ranks")
     gas = total // (micro * world_size)
     return micro, gas, total
+
+
+def read_batch_arithmetic(path, world_size: int) -> tuple:
+    """`batch_arithmetic` of the JSON at `path` (the preflight's and the supervisor's check)."""
+    return batch_arithmetic(read(path), world_size, path)
 
 
 def check(config: dict, world_size: int, source, client_optimizer: str | None = None) -> dict:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import helpers
-from training import preflight
+from training import hosts
 
 
 @pytest.fixture
@@ -50,8 +50,8 @@ def test_each_hostfile_problem_is_one_line(inputs, text, message):
 
 def test_hostfile_comments_and_blank_lines_are_ignored(tmp_path):
     (tmp_path / "h").write_text("# cluster\n\n  a slots=8  # rack 1\nb slots=8\n")
-    hosts = preflight.parse_hostfile(tmp_path / "h")
-    assert [(h.name, h.slots, h.line) for h in hosts] == [("a", 8, 3), ("b", 8, 4)]
+    parsed = hosts.parse_hostfile(tmp_path / "h")
+    assert [(h.name, h.slots, h.line) for h in parsed] == [("a", 8, 3), ("b", 8, 4)]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -77,19 +77,19 @@ def test_one_node_prints_the_batch_arithmetic(inputs):
 
 
 def test_each_difference_of_a_host_is_one_line_naming_it(tmp_path):
-    here = preflight.describe_this_host(tmp_path)
-    assert here["data_dir"] and here["packages"]["torch"] and here["code"] == preflight.code_digest()
+    here = hosts.describe_this_host(tmp_path)
+    assert here["data_dir"] and here["packages"]["torch"] and here["code"] == hosts.code_digest()
     there = json.loads(json.dumps(here))
     there.update(code="0" * 12, python_version="3.10.1", data_dir=False)
     there["packages"].update(torch="2.0.0", deepspeed=None)
-    lines = preflight.differences("n2", here, there, tmp_path)
+    lines = hosts.differences("n2", here, there, tmp_path)
     assert lines == [
-        f"host n2: the code in {preflight.REPO_ROOT} differs from this host's (digest {'0' * 12}, here {here['code']})",
+        f"host n2: the code in {hosts.REPO_ROOT} differs from this host's (digest {'0' * 12}, here {here['code']})",
         f"host n2: Python 3.10.1 (here {here['python_version']})",
         f"host n2: torch 2.0.0 (here {here['packages']['torch']})",
         f"host n2: deepspeed is not installed (here {here['packages']['deepspeed']})",
         f"host n2: data directory {tmp_path} does not exist"]
-    assert preflight.differences("n2", here, here, tmp_path) == []
+    assert hosts.differences("n2", here, here, tmp_path) == []
 
 
 # ---------------------------------------------------------------- over ssh, against the test hosts

@@ -12,7 +12,7 @@ launching server only. Each attempt is the command after `--` with `--num_nodes 
 --master_addr A --master_port P` put after `deepspeed`: F lists the attempt's K hosts, A is the first of them.
 When an attempt exits non-zero (a rank died, a collective timed out, a host became unreachable):
 - every host of the job (the first --num_nodes of the hostfile) is checked with the preflight's checks
-  (training/preflight.py: ssh, the same code, Python and pinned packages, the data directory);
+  (training/hosts.py: ssh, the same code, Python and pinned packages, the data directory);
 - the next attempt runs on the hosts that pass, as many of them as keep the DeepSpeed config's global batch
   (the accumulation steps adapt), resuming from the last checkpoint; a host that passes again is back;
 - it stops, with one `error: supervisor:` line, when fewer than --min_hosts hosts can be used, when
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from common.deepspeed_config import DeepSpeedConfigError
+from common.deepspeed_config import DeepSpeedConfigError, read_batch_arithmetic
 from common.errors import InputError
-from training.preflight import REPO_ROOT, hosts_for_job, parse_hostfile, problems_by_host, read_batch_arithmetic
+from training.hosts import REPO_ROOT, hosts_for_job, parse_hostfile, problems_by_host
 
 try:
     import dllogger

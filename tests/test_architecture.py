@@ -1,0 +1,102 @@
+"""The tree's architecture, read from the imports of every tracked module: which folder may import which (the
+arrows form no circle; data/ knows nothing of training or fine-tuning), no library imports a command-line
+module or an entry point, and no file patches the import path."""
+
+import ast
+import subprocess
+
+import helpers
+
+ENTRY_POINTS = {"run_pretraining", "run_squad", "run_glue"}
+MODEL = {"modeling", "optimization", "lans", "schedulers"}
+# Modules whose job is their command line: no module imports them.
+COMMAND_LINES = {"training.preflight", "training.supervisor"}
+# What each layer of library code may import of the project (itself included).
+ALLOWED = {
+    "common": {"common"},
+    "data": {"common", "data"},
+    "model": {"common", "model"},
+    "training": {"common", "model", "training"},
+    "finetune": {"common", "data", "model", "training", "finetune"},
+}
+
+
+def layer(module: str):
+    """The layer of a project module ('common', 'data', 'model', 'training', 'finetune', 'entry point'), or
+    None for a module from outside the project."""
+    top = module.split(".")[0]
+    if top in ALLOWED and top != "model":
+        return top
+    if top in MODEL:
+        return "model"
+    if top in ENTRY_POINTS:
+        return "entry point"
+    return None
+
+
+def imported_modules(source: str) -> set:
+    """Every module an import statement names, `from package import module` included as package.module."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def library_modules() -> dict:
+    """{module name: its source} of the project's library code (the packages and the root's modules)."""
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=helpers.REPO_ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    modules = {}
+    for name in files:
+        module = name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        if layer(module) is not None:
+            modules[module] = (helpers.REPO_ROOT / name).read_text()
+    return modules
+
+
+def arrow_violations(modules: dict) -> list:
+    problems = []
+    for module, source in sorted(modules.items()):
+        own = layer(module)
+        for imported in sorted(imported_modules(source)):
+            target = layer(imported)
+            if target is None or imported == module:
+                continue
+            if own == "entry point":
+                if target == "entry point":
+                    problems.append(f"{module} imports the entry point {imported}")
+                continue
+            line = f"{module} ({own}) imports {target}"
+            if target not in ALLOWED[own] and line not in problems:
+                problems.append(line)
+            if imported in COMMAND_LINES:
+                problems.append(f"{module} imports the command-line module {imported}")
+    return problems
+
+
+def test_imports_follow_the_arrows_between_folders():
+    modules = library_modules()
+    assert {"common.errors", "data.dataset", "training.runtime", "finetune.finetuning", "run_pretraining"} <= set(
+        modules)
+    assert arrow_violations(modules) == []
+
+
+def test_the_check_finds_a_wrong_arrow():
+    """Negative control: data/ importing training, a library importing the preflight CLI, two entry points."""
+    modules = {"data.dataset": "from training import runtime\n", "training.runtime": "import training.preflight\n",
+               "run_glue": "import run_squad\n", "common.errors": "from finetune.glue import TASKS\n"}
+    assert arrow_violations(modules) == [
+        "common.errors (common) imports finetune", "data.dataset (data) imports training",
+        "run_glue imports the entry point run_squad",
+        "training.runtime imports the command-line module training.preflight"]
+
+
+def test_no_file_patches_the_import_path():
+    patch = "sys." + "path"  # spelled in two parts, so that this file does not match itself
+    found = subprocess.run(["git", "grep", "-n", "-F", patch, "--", "*.py", "*.sh"], cwd=helpers.REPO_ROOT,
+                           capture_output=True, text=True).stdout
+    assert found == ""
