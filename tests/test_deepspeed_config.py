@@ -4,7 +4,6 @@ seen through both of its users: the launchers' preflight (a CLI run before any r
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -47,6 +46,5 @@ def test_preflight_and_driver_report_one_error_type_with_one_text(tmp_path, cont
                                cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert preflight.returncode == 1 and preflight.stderr.strip() == f"error: preflight: {raised.value}"
     with pytest.raises(DeepSpeedConfigError) as driver:
-        run_pretraining.deepspeed_config_with_optimizer(SimpleNamespace(deepspeed_config=str(path), optimizer="lans"),
-                                                        world_size=1)
+        run_pretraining.deepspeed_config_with_optimizer(str(path), 1, "lans")
     assert str(driver.value) == str(raised.value)
