@@ -656,18 +656,24 @@ def make_progress_bar(state: TrainState, max_steps: int, show: bool):
 
 # ============================================================================ main
 
+GraphBreaksFactory = Callable[[torch.device, torch.nn.Module, bool], gaudi.NoGraphBreaks]  # as gaudi.graph_breaks
+
+
 def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
-         criterion: BertPretrainingCriterion | None = None) -> dict:
+         criterion: BertPretrainingCriterion | None = None,
+         make_graph_breaks: GraphBreaksFactory = gaudi.graph_breaks) -> dict:
     """Run the training; returns the summary (the reference's final dllogger record) on every rank.
-    clock (seconds) and criterion (default: BertPretrainingCriterion()) are there for tests: a fake clock,
-    a loss that turns NaN on chosen steps."""
+    clock (seconds), criterion (default: BertPretrainingCriterion()) and make_graph_breaks (device, model,
+    is 5B) are there for tests: a fake clock, a loss that turns NaN on chosen steps, HPU lazy-mode graph
+    breaks on the CPU."""
     started = clock()
     args = parse_arguments(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config, model_config, data, copies = validate_args(args, world_size)
     try:
-        return train_run(args, started, ds_config, model_config, data, copies, clock,
-                         criterion if criterion is not None else BertPretrainingCriterion())
+        return train_run(args, started, ds_config, model_config, data, copies, clock=clock,
+                         criterion=criterion if criterion is not None else BertPretrainingCriterion(),
+                         make_graph_breaks=make_graph_breaks)
     finally:  # also after an error: the process must not end in the middle of a checkpoint copy
         if copies is not None:
             copies.wait()
@@ -675,8 +681,8 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
 
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
-              copies: checkpointing.CheckpointUploader | None, clock: Callable[[], float],
-              criterion: BertPretrainingCriterion) -> dict:
+              copies: checkpointing.CheckpointUploader | None, *, clock: Callable[[], float],
+              criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory) -> dict:
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
                                                   args.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -692,7 +698,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
     logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     model = build_model(model_config, args.init_checkpoint, checkpoint_interval)
-    graph_breaks = gaudi.graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
+    graph_breaks = make_graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
     engine, optimizer = build_engine(args, model, ds_config)
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
     data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)

@@ -67,7 +67,6 @@ def test_lazy_mode_cuts_the_graph_where_the_reference_does(tmp_path, tiny_shards
         model.bert.encoder.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append("backward"))
         return gaudi.LazyModeGraphBreaks(model, is_5b)
 
-    monkeypatch.setattr(rp.gaudi, "graph_breaks", lazy_breaks_with_observers)
     config = helpers.TINY_MODEL_CONFIG
     if bert_5b:  # the reference decides "5B" by the config file's name
         config = tmp_path / "bert_5b_config.json"
@@ -84,7 +83,7 @@ def test_lazy_mode_cuts_the_graph_where_the_reference_does(tmp_path, tiny_shards
     hook = register_optimizer_step_post_hook(note_step)
     try:
         rp.main(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, config_file=config, max_steps=2,
-                                    skip_checkpoint=True))
+                                    skip_checkpoint=True), make_graph_breaks=lazy_breaks_with_observers)
     finally:
         hook.remove()
     assert calls == expected_calls(steps=2, gas=gas, bert_5b=bert_5b), calls
