@@ -1,4 +1,4 @@
-"""atomic_write.py: the target holds the old content or the whole new one, never a part; no temporary left."""
+"""common/atomic_write.py: the target holds the old content or the whole new one, never a part; no temporary left."""
 
 import os
 

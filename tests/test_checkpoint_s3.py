@@ -1,4 +1,4 @@
-"""Checkpoint copies on S3 (checkpointing.py's S3 section) against a real S3 server (moto_server).
+"""Checkpoint copies on S3 (training/checkpointing.py's S3 section) against a real S3 server (moto_server).
 
 Checkpoints here are small directories committed by checkpointing's own _commit (manifest and
 `latest` as a real save writes them); the end-to-end runs of the driver are in test_s3_training.py."""

@@ -1,4 +1,4 @@
-"""Unit tests of checkpointing.py on a real DeepSpeed engine (CPU, gloo, one process).
+"""Unit tests of training/checkpointing.py on a real DeepSpeed engine (CPU, gloo, one process).
 
 The engine wraps a tiny MLP, so each test costs about a second; the model and the data are made here.
 Round trips cannot pass by accident: the engine that loads starts from other weights (another seed)

@@ -139,7 +139,7 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
     args = (tmp_path / "args").read_text().splitlines()
     python_at = args.index(str(helpers.VENV_BIN / "python"))  # absolute: ssh's PATH on another server differs
     launcher, program = args[:args.index("env")], args[python_at:]  # env: the ranks' HPU settings (test_gaudi_lazy)
-    if nodes != "1":  # several servers, under supervisor.py: the job's hosts, the first as master
+    if nodes != "1":  # several servers, under training/supervisor.py: the job's hosts, the first as master
         assert launcher[:2] == ["--num_nodes", nodes]
         assert launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
         assert launcher[2] == "--hostfile" and launcher[4:8] == ["--master_addr", hosts[0], "--master_port", "29500"]

@@ -1,4 +1,4 @@
-"""Gaudi lazy mode without a Gaudi: the mark_step calls of the training step (gaudi.py) and the environment
+"""Gaudi lazy mode without a Gaudi: the mark_step calls of the training step (training/gaudi.py) and the environment
 the launchers set for HL_DEVICE=hpu.
 
 The recording stand-in for Habana's bridge is tests/fake_habana (its docstring says what it models); it is

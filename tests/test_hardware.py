@@ -1,4 +1,4 @@
-"""hardware.py: the datasheet table by device name, the measured CPU matmul peak, the CPU memory share."""
+"""training/hardware.py: the datasheet table by device name, the measured CPU matmul peak, the CPU memory share."""
 
 import time
 

@@ -195,7 +195,7 @@ def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, jo
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_on_every_host_with_a_checkpoint(test_hosts, job):
-    """SIGTERM to the launcher on host 1 (supervisor.py, restarts on): it signals the ranks on both hosts
+    """SIGTERM to the launcher on host 1 (training/supervisor.py, restarts on): it signals the ranks on both hosts
     over pdsh; they agree to stop after the same step, save it and exit 0, and so does the launcher (no 30 s
     SIGKILL, no lost save), without a restart."""
     results = job["root"] / "sigterm"

@@ -1,4 +1,4 @@
-"""sizing.py against independent counts: FLOPs against a table derived by hand from the
+"""training/sizing.py against independent counts: FLOPs against a table derived by hand from the
 formula (forward + backward, MLM head on the masked rows only), saved activations
 against autograd's own saved-tensor hooks, and per-device memory against the peak of allocated tensor bytes
 measured by the torch profiler in real driver runs (1 and 2 ranks, ZeRO 0/1/2)."""
@@ -22,7 +22,7 @@ SCRIPTS = helpers.REPO_ROOT / "scripts"
     ("bert_1.5b_config.json", 128, 20, 1.1537), ("bert_1.5b_config.json", 512, 80, 4.796),
     ("bert_large_config.json", 128, 20, 0.2406), ("bert_large_config.json", 512, 80, 1.0205)])
 def test_model_flops_match_the_anchor_table(config_name, seq_len, max_pred, tflop):
-    """Model TFLOPs per training sequence, computed by hand from the formula (not by sizing.py)."""
+    """Model TFLOPs per training sequence, computed by hand from the formula (not by training/sizing.py)."""
     config = BertConfig.from_json_file(SCRIPTS / config_name)
     assert sizing.model_flops_per_sequence(config, seq_len, max_pred) / 1e12 == pytest.approx(tflop, abs=6e-4)
 

@@ -1,4 +1,4 @@
-"""storage.py against a real S3 server (moto_server on 127.0.0.1, started by conftest's moto_server).
+"""common/storage.py against a real S3 server (moto_server on 127.0.0.1, started by conftest's moto_server).
 
 ETags are checked against hashlib computed here and against the server's own; faults are answered
 for the server by botocore's before-send hook (s3_helpers.FaultInjector)."""

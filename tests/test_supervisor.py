@@ -1,4 +1,4 @@
-"""supervisor.py: which hosts a restart uses, when it stops, what it reports, and its attempt loop.
+"""training/supervisor.py: which hosts a restart uses, when it stops, what it reports, and its attempt loop.
 
 The loop runs here against a stand-in `deepspeed` runner (a small script that plays a failure per attempt
 and records the hostfile it was given), with the host checks given as data. The slow tests at the end run

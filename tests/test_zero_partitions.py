@@ -1,4 +1,4 @@
-"""zero_partitions.py against real DeepSpeed ZeRO-1/2 on 2 ranks (torchrun, gloo): the fragments read
+"""training/zero_partitions.py against real DeepSpeed ZeRO-1/2 on 2 ranks (torchrun, gloo): the fragments read
 from DeepSpeed's metadata tile every parameter exactly, and LANS with tensor blocks on the flat
 partitions follows a plain per-tensor LANS without DeepSpeed; with partition blocks it does not."""
 
