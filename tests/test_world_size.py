@@ -121,7 +121,7 @@ def test_resume_on_another_world_size_continues_the_uninterrupted_run(runs, save
     reference, reference_out = runs.uninterrupted(min(resumer, 2), stage, bf16)
     name = f"resume_{saver}to{resumer}_{stage}_{bf16}"
     out, ds_config = runs.resumable(saver, stage, bf16, name)
-    manifest = checkpointing._read_manifest(out / str(SAVE_AT))[0]
+    manifest = checkpointing.read_manifest(out / str(SAVE_AT))[0]
     assert manifest["world_size"] == saver and manifest["optimizer_layout"]["partitioned"] == (stage > 0)
 
     second, output = runs.run(name, resumer, out, ds_config, resume_from_checkpoint=True,
@@ -136,12 +136,10 @@ def test_resume_on_another_world_size_continues_the_uninterrupted_run(runs, save
 
     # The step counts carried over (LANS's group steps are 20, as in the uninterrupted run), and the
     # consolidated weights of the resumed run's final checkpoint are the uninterrupted run's.
+    final = checkpointing.saved_optimizer_states(out, str(STEPS))[0]
     if stage:
-        final = checkpointing._load_partition_states(checkpointing._partition_files(out / str(STEPS)))
-        assert [g["step"] for g in final[0]["base_optimizer_state"]["param_groups"]] == [STEPS, STEPS]
-    else:
-        final = checkpointing._load_weights_only(out / str(STEPS) / "mp_rank_00_model_states.pt")["optimizer"]
-        assert [g["step"] for g in final["param_groups"]] == [STEPS, STEPS]
+        final = final["base_optimizer_state"]
+    assert [g["step"] for g in final["param_groups"]] == [STEPS, STEPS]
     resumed_weights = checkpointing.consolidated_state_dict(out, str(STEPS))
     reference_weights = checkpointing.consolidated_state_dict(reference_out, str(STEPS))
     assert resumed_weights.keys() == reference_weights.keys()

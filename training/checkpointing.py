@@ -24,6 +24,9 @@ Export for fine-tuning: consolidated_state_dict(output_dir, tag) gives the fp32 
 (ZeRO-1/2: re-assembled from the per-rank optimizer partitions); from the shell:
 ``python -m training.checkpointing export --output_dir D [--tag T] --out model.pt`` (D may be s3://bucket/prefix).
 
+Reading a checkpoint without an engine (tests, tools): read_manifest(tag_dir) and
+saved_optimizer_states(output_dir, tag).
+
 Trust: DeepSpeed 0.19.8 reads its own ``*_states.pt`` files with ``torch.load(weights_only=False)``
 (``TorchCheckpointEngine.load``), i.e. with full pickle, which can run arbitrary code. Load only
 checkpoints you (or someone you trust) wrote. load_checkpoint and consolidated_state_dict route
@@ -303,7 +306,7 @@ def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsy
 
 # --------------------------------------------------------------------------- validation and resume
 
-def _read_manifest(tag_dir: Path) -> tuple[dict | None, str | None]:
+def read_manifest(tag_dir: Path) -> tuple[dict | None, str | None]:
     """(manifest, None) when <tag_dir> is a complete checkpoint: manifest readable and every file it
     lists present with the recorded size. Otherwise (None, reason)."""
     if not tag_dir.is_dir():
@@ -359,7 +362,7 @@ def _scan(output_dir: Path) -> tuple[list[tuple[str, dict]], dict[str, str]]:
     are not complete (any directory holding a DeepSpeed states file, a state_<r>.pt or a manifest)."""
     complete, broken = [], {}
     for tag_dir in sorted(p for p in output_dir.iterdir() if p.is_dir()):
-        manifest, reason = _read_manifest(tag_dir)
+        manifest, reason = read_manifest(tag_dir)
         if manifest is not None:
             complete.append((tag_dir.name, manifest))
         elif any(tag_dir.glob("*_states.pt")) or any(tag_dir.glob("state_*.pt")) \
@@ -401,7 +404,7 @@ def _choose_tag(output_dir: Path) -> tuple[str, dict] | None:
     complete, broken = _scan(output_dir)
     latest = _read_latest(output_dir)
     if latest is not None and latest not in broken and latest not in dict(complete):
-        broken[latest] = _read_manifest(output_dir / latest)[1]
+        broken[latest] = read_manifest(output_dir / latest)[1]
     return _choose_among(output_dir, complete, broken, latest)
 
 
@@ -446,7 +449,7 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
     None: the per-rank RNG states belong to ranks of the old world.
     client_state holds exactly the keys given to save_checkpoint."""
     tag_dir = Path(output_dir) / str(tag)
-    manifest, reason = _read_manifest(tag_dir)
+    manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
     world = _rank_and_world()[1]
@@ -698,7 +701,7 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
             raise CheckpointError(f"no checkpoint in {output_dir}")
         tag = chosen[0]
     tag_dir = output_dir / str(tag)
-    manifest, reason = _read_manifest(tag_dir)
+    manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot export checkpoint {tag_dir}: {reason}")
     model_states = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt")
