@@ -227,11 +227,27 @@ def test_each_file_is_fsynced_once_before_its_rename(tmp_path, monkeypatch):
     assert sorted(fsynced) == sorted(f".{name}.tmp.{os.getpid()}" for name in final)
 
 
+class UnsyncedCheckpointEngine(deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine):
+    """A checkpoint engine other than DeepSpeed's TorchCheckpointEngine (DeepSpeed's interface): it writes
+    DeepSpeed's files itself, with plain torch.save and no fsync."""
+
+    def create(self, info):
+        pass
+
+    def save(self, state_dict, path: str):
+        torch.save(state_dict, path)
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info):
+        return True
+
+
 def test_files_of_other_checkpoint_engines_are_fsynced_by_rank0(tmp_path, monkeypatch):
-    # A checkpoint engine other than TorchCheckpointEngine writes DeepSpeed's files itself, without fsync.
     engine = make_engine(seed=0, stage=1)
     train(engine, 1)
-    monkeypatch.setattr(checkpointing, "_is_plain_torch_engine", lambda engine: False)
+    engine.checkpoint_engine = UnsyncedCheckpointEngine()
     fsynced = record_fsyncs(monkeypatch)
     save(engine, tmp_path, 1)
     deepspeed_files = {p.name for p in (tmp_path / "1").glob("*_states.pt")}
