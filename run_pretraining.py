@@ -187,7 +187,7 @@ class DataInfo:
     seq_len: int
     max_pred: int
     num_samples: int
-    shard_files: object  # data.dataset.LocalShardFiles, or storage.ShardCache for an s3:// --input_dir
+    shard_files: LocalShardFiles | storage.ShardCache  # the cache for an s3:// --input_dir
 
 
 def validate_args(args, world_size: int) -> tuple:
@@ -236,7 +236,7 @@ def validate_args(args, world_size: int) -> tuple:
     return ds_config, model_config, data, copies
 
 
-def open_s3_output(args):
+def open_s3_output(args) -> checkpointing.CheckpointUploader:
     """Checkpoint copies for an s3:// --output_dir: the prefix must be writable (checked by rank 0) and
     empty unless resuming; checkpoints are staged in <--s3_cache_dir>/checkpoints."""
     store = storage.S3Store(args.output_dir, args.s3_endpoint_url)
@@ -248,7 +248,7 @@ def open_s3_output(args):
                                             args.keep_last_n_checkpoints)
 
 
-def open_shard_files(args):
+def open_shard_files(args) -> LocalShardFiles | storage.ShardCache:
     """Where the shards are read from: the directory, or for s3:// this server's bounded download cache."""
     if not storage.is_s3_url(args.input_dir):
         if not Path(args.input_dir).is_dir():
@@ -302,7 +302,7 @@ def build_model(config: BertConfig, init_checkpoint: str | Path | None, checkpoi
     return model
 
 
-def build_engine(args, model, ds_config: dict):
+def build_engine(args, model: BertForPreTraining, ds_config: dict) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
     """The client optimizer and scheduler the flags ask for, then runtime.initialize_engine."""
     groups = get_parameter_groups(model)
     optimizer = scheduler = None
@@ -360,7 +360,8 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
                              f"{current[key]!r} now (set by {flag}); resume with the same data and settings")
 
 
-def restore_state(args, checkpoint_dir, engine, optimizer, config: BertConfig, data_layout: dict, say) -> TrainState:
+def restore_state(args, checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer,
+                  config: BertConfig, data_layout: dict, say: Callable[[str], None]) -> TrainState:
     """Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one) when asked;
     otherwise (or when it holds no checkpoint) a fresh state."""
     fresh = TrainState(phase=2 if args.phase2 else 1)
@@ -401,7 +402,7 @@ SCHEDULE_FLAGS = {"total_steps": "--max_steps", "warmup": "--warmup_proportion",
                   "constant": "--constant_proportion", "degree": "--scheduler_degree", "base_lrs": "--learning_rate"}
 
 
-def follow_changed_schedule(scheduler, wanted: dict, say) -> None:
+def follow_changed_schedule(scheduler: PolyWarmUpScheduler, wanted: dict, say: Callable[[str], None]) -> None:
     """A resume with another --max_steps, warm-up, constant part, degree or LR: the schedule of the new
     flags from the step reached on. The restored scheduler would follow the old flags: past the old
     --max_steps its LR is 0, so a longer run would train at LR 0. The LR curve bends (or jumps) here."""
@@ -420,7 +421,7 @@ def follow_changed_schedule(scheduler, wanted: dict, say) -> None:
         f"bends there")
 
 
-def start_phase2(engine, optimizer, fresh_schedule):
+def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer, fresh_schedule: dict | None) -> None:
     """As the reference: step counters and scheduler start again, the optimizer moments are kept."""
     for group in optimizer.param_groups:
         group["step"] = 0
@@ -788,7 +789,7 @@ def nothing_to_train(tag: str, max_steps: int, state: TrainState, logger: "dllog
     return summary
 
 
-def log_parameters(logger, args, ds_config: dict):
+def log_parameters(logger: "dllogger.Logger", args, ds_config: dict) -> None:
     logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "train_start": True,
                                        "batch_size_per_pu": ds_config["train_micro_batch_size_per_gpu"],
                                        "learning_rate": args.learning_rate, "deepspeed_config": ds_config})
