@@ -393,7 +393,9 @@ def restore_state(args, checkpoint_dir: Path, engine: "DeepSpeedEngine", optimiz
         check_data_layout(client["data_layout"], data_layout, tag)
     say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
         f"{state.samples_consumed} samples consumed")
-    if fresh_schedule is not None and not (args.phase2 and client["phase"] == 1):
+    # Only PolyWarmUp (--use_lr_scheduler) saves its schedule; a DeepSpeed JSON scheduler saves only its step
+    # and takes its parameters from the JSON at every start.
+    if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (args.phase2 and client["phase"] == 1):
         follow_changed_schedule(engine.lr_scheduler, fresh_schedule, say)
     return state
 

@@ -709,6 +709,26 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, other_ra
 
 # ============================================================================ resuming with other flags
 
+def test_a_resume_continues_the_deepspeed_json_scheduler(tmp_path, tiny_shards):
+    """Without --use_lr_scheduler the DeepSpeed JSON's scheduler runs (WarmupLR here). Its state holds none of
+    PolyWarmUp's schedule keys and its parameters come from the JSON at every start: a resumed run (2 + 2
+    steps) applies the LRs of an uninterrupted 4-step run. It used to end the resume with KeyError 'total_steps'."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
+
+    def lrs(name, **flags):
+        argv = helpers.driver_argv(tiny_shards, tmp_path / name, ds_config, json_summary=tmp_path / f"{name}.json",
+                                   use_lr_scheduler=False, log_freq=1, **flags)
+        rp.main(argv)
+        return [r["data"]["learning_rate"] for r in helpers.step_records(tmp_path / f"{name}.json")]
+
+    uninterrupted = lrs("whole", max_steps=4, skip_checkpoint=True)
+    assert uninterrupted[2:] != uninterrupted[:2]  # a schedule restarted at step 0 would show
+    assert lrs("resumed", max_steps=2) == pytest.approx(uninterrupted[:2])
+    # the resumed run appends its records to the first run's
+    assert lrs("resumed", max_steps=4, resume_from_checkpoint=True) == pytest.approx(uninterrupted)
+
+
 def poly_lr(base_lr, t, total_steps, warmup):
     """PolyWarmUp with degree 1 and no constant part, written out: the LR optimizer step t uses."""
     p = t / total_steps
