@@ -307,7 +307,10 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     if plan.steps_per_epoch == 0:
         raise InputError(f"{plan.num_examples} training examples, fewer than one global batch ({plan.global_batch})")
     total_steps = plan.total_steps(args)
-    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=args.learning_rate, eps=1e-6)
+    # The fused kernel, as transformers' Trainer uses: on the CPU the default is a per-tensor loop, and the step
+    # took most of a fine-tuning step's time (docs/results.md, bench_glue). Gaudi has its own fused optimizers.
+    fused = session.device.type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=args.learning_rate, eps=1e-6, fused=fused)
     scheduler = LinearWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=total_steps)
     engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
     if args.enable_torch_compile:
