@@ -664,11 +664,12 @@ GraphBreaksFactory = Callable[[torch.device, torch.nn.Module, bool], gaudi.NoGra
 
 def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
          criterion: BertPretrainingCriterion | None = None,
-         make_graph_breaks: GraphBreaksFactory = gaudi.graph_breaks) -> dict:
+         make_graph_breaks: GraphBreaksFactory = gaudi.graph_breaks,
+         device_memory: Callable[[torch.device], tuple] = hardware.device_memory_bytes) -> dict:
     """Run the training; returns the summary (the reference's final dllogger record) on every rank.
-    clock (seconds), criterion (default: BertPretrainingCriterion()) and make_graph_breaks (device, model,
-    is 5B) are there for tests: a fake clock, a loss that turns NaN on chosen steps, HPU lazy-mode graph
-    breaks on the CPU."""
+    clock (seconds), criterion (default: BertPretrainingCriterion()), make_graph_breaks (device, model,
+    is 5B) and device_memory (device -> (bytes, description)) are there for tests: a fake clock, a loss that
+    turns NaN on chosen steps, HPU lazy-mode graph breaks on the CPU, a device smaller than the run."""
     started = clock()
     args = parse_arguments(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -676,7 +677,7 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
     try:
         return train_run(args, started, ds_config, model_config, data, copies, clock=clock,
                          criterion=criterion if criterion is not None else BertPretrainingCriterion(),
-                         make_graph_breaks=make_graph_breaks)
+                         make_graph_breaks=make_graph_breaks, device_memory=device_memory)
     finally:  # also after an error: the process must not end in the middle of a checkpoint copy
         if copies is not None:
             copies.wait()
@@ -685,7 +686,8 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
               copies: checkpointing.CheckpointUploader | None, *, clock: Callable[[], float],
-              criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory) -> dict:
+              criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
+              device_memory: Callable[[torch.device], tuple]) -> dict:
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
                                                   args.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -695,7 +697,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     log_parameters(logger, args, ds_config)
     checkpoint_interval = args.checkpoint_activations_interval if args.checkpoint_activations else 0
     check_memory(device, ds_config, model_config, data, world, say, checkpoint_interval=checkpoint_interval,
-                 client_optimizer=args.optimizer, skip_memory_check=args.skip_memory_check)
+                 client_optimizer=args.optimizer, skip_memory_check=args.skip_memory_check,
+                 device_memory=device_memory)
     peak_dtype = torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32
     peak, peak_source = hardware.peak_tflops(device, peak_dtype, args.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
@@ -758,14 +761,14 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
 
 def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig, data: DataInfo, world: int,
                  say: Callable[[str], None], *, checkpoint_interval: int, client_optimizer: str | None,
-                 skip_memory_check: bool) -> None:
+                 skip_memory_check: bool, device_memory: Callable[[torch.device], tuple]) -> None:
     """Refuse, before the model is built, a run the memory planner says cannot fit this device."""
     run = sizing.Run.from_deepspeed_config(
         ds_config, world, data.seq_len, data.max_pred, checkpoint_interval,
         # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
         client_optimizer if client_optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans", on_cpu=device.type == "cpu")
     predicted = sizing.device_memory(model_config, run)["total"]
-    available, description = hardware.device_memory_bytes(device)
+    available, description = device_memory(device)
     if available is None:
         say(f"memory check skipped: the memory of {description} is unknown")
         return

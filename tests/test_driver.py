@@ -810,17 +810,19 @@ def test_cpu_peak_is_measured_and_said_so(tmp_path, tiny_shards, capsys):
 
 
 @pytest.mark.parametrize("skip", [False, True])
-def test_a_run_predicted_not_to_fit_is_refused_before_any_step(tmp_path, tiny_shards, capsys, monkeypatch, skip):
+def test_a_run_predicted_not_to_fit_is_refused_before_any_step(tmp_path, tiny_shards, capsys, skip):
     """The tiny run with ZeRO-1's default 5e8-element bucket needs about 1.1 GiB; the 'device' has 512 MiB."""
-    monkeypatch.setattr(rp.hardware, "device_memory_bytes", lambda device: (512 * 2**20, "a 512 MiB test device"))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4)
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, max_steps=1, skip_checkpoint=True,
                                skip_memory_check=skip)
+
+    def small_device(device):
+        return 512 * 2**20, "a 512 MiB test device"
+
     if not skip:
-        assert rp.cli(argv) == 1
-        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "the memory planner predicts" in errors[0] and "512 MiB test device" in errors[0]
+        with pytest.raises(rp.InputError, match="the memory planner predicts .*512 MiB test device"):
+            rp.main(argv, device_memory=small_device)
         assert not helpers.step_records(tmp_path / "dllogger.json")
     else:
-        assert rp.main(argv)["global_step"] == 1
+        assert rp.main(argv, device_memory=small_device)["global_step"] == 1
         assert "training anyway (--skip_memory_check)" in capsys.readouterr().out
