@@ -425,7 +425,9 @@ def test_kill_stop_resume_one_rank_zero1_bf16(tmp_path, shards, references):
     kill_stop_resume(tmp_path, shards, references, world=1, stage=1, bf16=True)
 
 
-TWO_RANKS = [(stage, bf16) for stage in (0, 1, 2) for bf16 in (False, True)]
+# Each ZeRO stage once, bf16 where the launchers use it: the in-process clean stops above already cover every
+# stage in both precisions, so a kill on two ranks adds the partitioned files per stage, not per precision.
+TWO_RANKS = [(0, False), (1, True), (2, True)]
 
 
 @pytest.mark.slow
