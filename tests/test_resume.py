@@ -13,6 +13,7 @@ outside), then runs the driver unchanged.
 """
 
 import errno
+import faulthandler
 import json
 import os
 import re
@@ -169,9 +170,13 @@ def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # A hang is rare and unreadable after the fact: every rank first prints its threads' stacks (the
+        # wrapper below registers SIGUSR1; the launcher processes, which do not, just end on it).
+        os.killpg(process.pid, signal.SIGUSR1)
+        time.sleep(3)
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"driver did not finish within {timeout} s:\n{output[-3000:]}")
+        pytest.fail(f"driver did not finish within {timeout} s:\n{output[-12000:]}")
     return process.returncode, output
 
 
@@ -506,6 +511,7 @@ def test_disk_full_on_one_rank_stops_every_rank_cleanly(tmp_path, shards):
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # finish() asks for the stacks of a hung run
     if os.environ.get(KILL_ENV):
         install_kill(os.environ[KILL_ENV], int(os.environ.get("RANK", "0")))
     import s3_helpers
