@@ -83,13 +83,19 @@ def write_ds_config(path, stage=1, bf16=True, micro=4, gas=1, world=1, clipping=
     return Path(path)
 
 
+TEST_PEAK_TFLOPS = 1.0  # an arbitrary matmul peak for the tests' MFU figures (see driver_argv)
+
+
 def driver_argv(data_dir, output_dir, ds_config, json_summary=None, **flags):
-    """run_pretraining.py arguments for a tiny CPU run; flags=value pairs override (True = bare flag)."""
+    """run_pretraining.py arguments for a tiny CPU run; flags=value pairs override (True = bare flag).
+
+    The peak for MFU is given (TEST_PEAK_TFLOPS): measuring it takes each run 1-3 s at start-up, and the suite
+    starts the driver many times. The tests of the measurement pass peak_tflops=None."""
     options = {"input_dir": data_dir, "output_dir": output_dir, "config_file": TINY_MODEL_CONFIG,
                "optimizer": "lans", "learning_rate": 0.01, "max_steps": 4, "warmup_proportion": 0.25,
                "max_predictions_per_seq": 20, "json-summary": json_summary or Path(output_dir).parent / "dllogger.json",
                "num_steps_per_checkpoint": 1000, "use_lr_scheduler": True, "disable_progress_bar": True,
-               "no_cuda": True, "deepspeed": True, "deepspeed_config": ds_config}
+               "no_cuda": True, "deepspeed": True, "deepspeed_config": ds_config, "peak_tflops": TEST_PEAK_TFLOPS}
     options.update(flags)
     return flags_to_argv(options)
 

@@ -52,7 +52,8 @@ def launcher_env(hosts, job, results, nodes=2, ranks_per_node=1, **overrides):
 
 
 def run_launcher(hosts, env, *extra, host=0, timeout=300):
-    command = hosts.command_on(host, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5", *extra])
+    command = hosts.command_on(host, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5",
+                                      f"--peak_tflops={helpers.TEST_PEAK_TFLOPS}", *extra])
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
@@ -120,7 +121,8 @@ def start_long_job(hosts, job, results, *extra, max_restarts=0):
     # (restarts: tests/test_supervisor.py)
     env = launcher_env(hosts, job, results, HL_MAX_STEPS="60", HL_NUM_STEPS_PER_CP="5",
                        HL_MAX_RESTARTS=str(max_restarts))
-    command = hosts.command_on(0, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5", *extra])
+    command = hosts.command_on(0, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5",
+                                   f"--peak_tflops={helpers.TEST_PEAK_TFLOPS}", *extra])
     log = open(results.parent / f"{results.name}.log", "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()

@@ -228,7 +228,8 @@ def start_supervised(hosts, job, results, *extra, nodes=3, **overrides):
     log = results.parent / f"{results.name}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(hosts.command_on(0, ["bash", SCRIPT_32X, "--max_predictions_per_seq=5",
-                                                        f"--collective_timeout_s={TIMEOUT_S}", *extra]),
+                                                        f"--collective_timeout_s={TIMEOUT_S}",
+                                                        f"--peak_tflops={helpers.TEST_PEAK_TFLOPS}", *extra]),
                                    env=env, stdout=out, stderr=subprocess.STDOUT)
     return process, log
 
