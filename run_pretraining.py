@@ -374,7 +374,7 @@ def restore_state(args, checkpoint_dir: Path, engine: "DeepSpeedEngine", optimiz
         say(f"no checkpoint in {args.output_dir}: starting from scratch")
         return fresh
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, say=say)
+    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, world, say=say)
     if client["model_config"] != config.to_dict():
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],

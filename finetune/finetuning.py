@@ -390,7 +390,7 @@ def resume(session: Session, engine, config: BertConfig) -> int:
     if tag is None:
         session.say(f"no checkpoint in {directory}: starting from step 0")
         return 0
-    client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank)
+    client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank, session.world)
     if rank_state is None:  # resuming fine-tuning on another world size is untested: keep refusing it
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {directory} was written by another number of "
                                             f"ranks than this run's {session.world}; resume fine-tuning on that number")

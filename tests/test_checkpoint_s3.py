@@ -1,6 +1,6 @@
 """Checkpoint copies on S3 (training/checkpointing.py's S3 section) against a real S3 server (moto_server).
 
-Checkpoints here are small directories committed by checkpointing's own _commit (manifest and
+Checkpoints here are small directories committed by checkpointing.commit_checkpoint (manifest and
 `latest` as a real save writes them); the end-to-end runs of the driver are in test_s3_training.py."""
 
 from pathlib import Path
@@ -20,8 +20,9 @@ def save_local(output_dir: Path, tag: str, world: int = 2, size: int = 1000) -> 
     torch.save({"module": {"w": torch.full((size,), float(tag))}}, tag_dir / "mp_rank_00_model_states.pt")
     for rank in range(world):
         torch.save({"rank": rank, "tag": tag}, tag_dir / checkpointing.rank_state_name(rank))
-    checkpointing._commit(output_dir, tag, world, {"model_config": {"hidden_size": 8}}, fsync_files=False,
-                          layout={"zero_stage": 0, "optimizer_wrapper": "LANS", "partitioned": False, "bf16": False})
+    checkpointing.commit_checkpoint(output_dir, tag, world, {"model_config": {"hidden_size": 8}}, fsync_files=False,
+                                    layout={"zero_stage": 0, "optimizer_wrapper": "LANS", "partitioned": False,
+                                            "bf16": False})
 
 
 @pytest.fixture

@@ -120,7 +120,7 @@ def test_round_trip_continues_exactly(tmp_path, stage, bf16):
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
-    state, rank_state = checkpointing.load_checkpoint(loader, tmp_path, "3", global_rank=0)
+    state, rank_state = checkpointing.load_checkpoint(loader, tmp_path, "3", global_rank=0, world_size=1)
 
     assert state == client_state(3)
     assert_tensors_equal(weights(loader), saved_weights)
@@ -199,7 +199,7 @@ def test_resave_replaces_leftover_directory(tmp_path):
     save(engine, tmp_path, 3)
     assert not (stale / "junk.bin").exists()
     assert checkpointing.find_resume_tag(tmp_path) == "3"
-    checkpointing.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0)
+    checkpointing.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0, 1)
 
 
 def record_fsyncs(monkeypatch) -> list:
@@ -285,7 +285,7 @@ def test_missing_rank_file_falls_back(two_checkpoints):
     (two_checkpoints / "4" / "state_0.pt").unlink()
     assert resume_with_warning(two_checkpoints, r"state_0\.pt listed in complete\.json is missing") == "2"
     with pytest.raises(CheckpointError, match="state_0.pt"):
-        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0)
+        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0, 1)
 
 
 def test_truncated_file_falls_back(two_checkpoints):
@@ -305,16 +305,15 @@ def test_other_model_config_is_an_error(two_checkpoints):
         checkpointing.find_resume_tag(two_checkpoints, other)
 
 
-def test_another_world_size_needs_the_same_kind_of_optimizer_layout(two_checkpoints, monkeypatch):
-    """A ZeRO-1 checkpoint of 1 rank resumed by '2 ranks' with ZeRO-0: one error before anything loads.
+def test_another_world_size_needs_the_same_kind_of_optimizer_layout(two_checkpoints):
+    """A ZeRO-1 checkpoint of 1 rank resumed by rank 0 of 2 with ZeRO-0: one error before anything loads.
     (Re-partitioning itself runs on real ranks: tests/test_world_size.py.)"""
     assert checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG) == "4"  # any world size may resume
     engine = make_engine(seed=1, stage=0)
     before = [p.detach().clone() for p in engine.module.parameters()]
-    monkeypatch.setattr(checkpointing, "_rank_and_world", lambda: (0, 2))
     with pytest.raises(CheckpointError, match=r"written with ZeRO stage 1 by 1 ranks; this run has 2 ranks and "
                                               r"ZeRO stage 0: .*between ZeRO-1/2 layouts or between ZeRO-0"):
-        checkpointing.load_checkpoint(engine, two_checkpoints, "4", 0)
+        checkpointing.load_checkpoint(engine, two_checkpoints, "4", global_rank=0, world_size=2)
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
 
 
@@ -359,7 +358,7 @@ def assert_previous_intact(out):
     assert (out / "latest").read_text() == "4"
     assert checkpointing.find_resume_tag(out, MODEL_CONFIG) == "4"
     assert not [p for p in out.rglob("*") if ".tmp." in p.name]
-    state, _ = checkpointing.load_checkpoint(make_engine(seed=1, stage=1), out, "4", 0)
+    state, _ = checkpointing.load_checkpoint(make_engine(seed=1, stage=1), out, "4", 0, 1)
     assert state["global_step"] == 4
 
 
@@ -503,7 +502,7 @@ def test_pickled_code_in_checkpoint_is_refused(two_checkpoints, tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     assert checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG) == "4"
     with pytest.raises(CheckpointError, match=r"refusing to unpickle .*getattr"):
-        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0)
+        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0, 1)
     assert not marker.exists()
     torch.load(path, weights_only=False)  # negative control: plain pickle does run it
     assert marker.exists()

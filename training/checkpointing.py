@@ -12,9 +12,9 @@ so DeepSpeed's ``zero_to_fp32.py``, which ZeRO saves copy into ``<output_dir>``,
 ``engine.load_checkpoint(dir)`` still find it).
 
 Commit protocol: a checkpoint exists only once its manifest exists. The manifest is written by rank 0
-after a barrier that follows every rank's writes, and ``latest`` is replaced only after the manifest.
-Both are written to a temporary name and renamed (``os.replace`` is atomic on POSIX), so a kill at any
-moment leaves ``latest`` naming a complete checkpoint, or leaves the previous ``latest`` untouched.
+(commit_checkpoint) after a barrier that follows every rank's writes, and ``latest`` is replaced only after
+the manifest. Both are written to a temporary name and renamed (``os.replace`` is atomic on POSIX), so a kill
+at any moment leaves ``latest`` naming a complete checkpoint, or leaves the previous ``latest`` untouched.
 
 S3: with an s3:// output directory, checkpoints are written locally as above and then copied by
 CheckpointUploader (files, manifest, then `latest`: the order is the commit there); resume and export
@@ -176,7 +176,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
         if deepspeed_write_errors:
             raise deepspeed_write_errors[0]
         # Every file of the tag goes through write_atomically, which fsyncs it and the directory;
-        # no further fsync is needed (see _commit for checkpoint engines that write on their own).
+        # no further fsync is needed (see commit_checkpoint for checkpoint engines that write on their own).
         write_atomically(tag_dir / rank_state_name(rank), lambda f: torch.save(rank_state, f))
     except OSError as exc:
         error = f"cannot write checkpoint {tag_dir} on rank {rank}: {exc}"
@@ -189,8 +189,8 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     error = None
     if rank == 0:
         try:
-            _commit(output_dir, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine),
-                    layout=_optimizer_layout(engine))
+            commit_checkpoint(output_dir, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine),
+                              layout=_optimizer_layout(engine))
         except OSError as exc:
             error = f"cannot commit checkpoint {tag_dir}: {exc}"
     _raise_if_any_rank_failed(error, f"committing checkpoint {tag_dir}", engine.device)
@@ -267,14 +267,22 @@ def _optimizer_layout(engine) -> dict:
             "bf16": bool(engine.bfloat16_enabled())}
 
 
-def _commit(output_dir: Path, tag: str, world_size: int, client_state: dict, fsync_files: bool,
-            layout: dict) -> None:
-    """Rank 0, after every rank finished writing: manifest, then `latest`. fsync_files: fsync the
-    tag's files first (a checkpoint engine of DeepSpeed's own wrote them, without fsync), so that a
-    power loss cannot leave a manifest naming empty files. Done here, once, after the barrier: every
-    rank's temporary file has then been renamed to its final name."""
+def commit_checkpoint(output_dir, tag: str, world_size: int, client_state: dict, *, fsync_files: bool,
+                      layout: dict) -> None:
+    """Make <output_dir>/<tag> a checkpoint: write its manifest (every file of the tag with its size,
+    the world size, the model config, client_state's keys, the optimizer layout), then point `latest`
+    at it. Until the manifest exists the tag is not a checkpoint (see "Commit protocol" above).
+
+    save_checkpoint calls it on rank 0 after every rank finished writing; it can also commit a tag
+    directory written by other means (tests, tools), which must hold state_<r>.pt for every rank r of
+    world_size (OSError otherwise). client_state must hold "model_config". layout: how the optimizer
+    state is cut up (zero_stage, optimizer_wrapper, partitioned, bf16; resume on another world size
+    reads it). fsync_files: fsync the tag's files first (a checkpoint engine of DeepSpeed's own wrote
+    them, without fsync), so that a power loss cannot leave a manifest naming empty files. Done here,
+    once, after the barrier: every rank's temporary file has then been renamed to its final name."""
     import deepspeed  # the version goes into the manifest; imported here to keep import time low
 
+    output_dir, tag = Path(output_dir), str(tag)
     tag_dir = output_dir / tag
     files = {}
     for path in sorted(tag_dir.rglob("*")):
@@ -433,10 +441,12 @@ def _choose_among(output_dir, complete: list, broken: dict, latest: str | None) 
     return None
 
 
-def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    say=None) -> tuple[dict, dict | None]:
+def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: int, *,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, say=None) -> tuple[dict, dict | None]:
     """Collective (DeepSpeed's load is). Returns (client_state, rank_state).
+    global_rank, world_size: this process's in the data-parallel process group (dist.get_rank(),
+    dist.get_world_size()); a world size other than the manifest's means a resume on another world size.
 
     Resume: the defaults (weights, optimizer, LR scheduler, DeepSpeed's step counters).
     Phase 2 from a phase-1 checkpoint: load_lr_scheduler_states=False keeps the freshly built
@@ -452,10 +462,9 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
     manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
-    world = _rank_and_world()[1]
-    other_world = not load_module_only and manifest["world_size"] != world
+    other_world = not load_module_only and manifest["world_size"] != world_size
     if other_world:
-        _check_repartition_possible(tag_dir, manifest, engine, world)
+        _check_repartition_possible(tag_dir, manifest, engine, world_size)
     # DeepSpeed loads ZeRO-0 optimizer state (whole tensors) on any world size, ZeRO-1/2 partitions not.
     repartition = other_world and load_optimizer_states and _is_partitioned(tag_dir)
     with _weights_only_loads(engine):
@@ -473,7 +482,7 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, *, load_opti
             _repartition_optimizer_state(engine, tag_dir)
         if say is not None:
             say(f"checkpoint {tag_dir} was written by {manifest['world_size']} data-parallel ranks, this run has "
-                f"{world}: " + ("re-partitioned its ZeRO optimizer state (fp32 weights, moments, steps); "
+                f"{world_size}: " + ("re-partitioned its ZeRO optimizer state (fp32 weights, moments, steps); "
                                 if repartition else "") + "per-rank RNG states not restored")
         return client_state, None
     rank_state = torch.load(tag_dir / rank_state_name(global_rank), map_location="cpu", weights_only=True)
