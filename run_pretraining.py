@@ -211,7 +211,9 @@ def validate_args(args, world_size: int) -> tuple:
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise InputError(f"--peak_tflops must be positive, got {args.peak_tflops}")
     try:
-        copies = open_s3_output(args) if storage.is_s3_url(args.output_dir) else None
+        copies = (open_s3_output(args.output_dir, args.s3_endpoint_url, Path(args.s3_cache_dir),
+                                 args.keep_last_n_checkpoints, resuming=args.resume_from_checkpoint)
+                  if storage.is_s3_url(args.output_dir) else None)
     except storage.StorageError as err:
         raise InputError(str(err)) from err
     output_dir = Path(args.output_dir)
@@ -232,33 +234,39 @@ def validate_args(args, world_size: int) -> tuple:
         model_config = BertConfig.from_json_file(args.config_file)
     except (OSError, ValueError) as err:
         raise InputError(f"--config_file {args.config_file}: {err}") from err
-    data = inspect_data(args, ds_config["train_micro_batch_size_per_gpu"] * world_size)
+    try:
+        shard_files = open_shard_files(args.input_dir, args.s3_endpoint_url, args.s3_cache_dir, args.s3_cache_gb)
+    except storage.StorageError as err:
+        raise InputError(str(err)) from err
+    data = inspect_data(args.input_dir, shard_files, args.max_predictions_per_seq,
+                        ds_config["train_micro_batch_size_per_gpu"] * world_size)
     return ds_config, model_config, data, copies
 
 
-def open_s3_output(args) -> checkpointing.CheckpointUploader:
-    """Checkpoint copies for an s3:// --output_dir: the prefix must be writable (checked by rank 0) and
-    empty unless resuming; checkpoints are staged in <--s3_cache_dir>/checkpoints."""
-    store = storage.S3Store(args.output_dir, args.s3_endpoint_url)
+def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_last_n: int, *,
+                   resuming: bool) -> checkpointing.CheckpointUploader:
+    """Checkpoint copies for an s3:// --output_dir `url`: the prefix must be writable (checked by rank 0) and
+    empty unless resuming; checkpoints are staged in <cache_dir (--s3_cache_dir)>/checkpoints."""
+    store = storage.S3Store(url, endpoint_url)
     store.check_access(write=os.environ.get("RANK", "0") == "0")
-    if not args.resume_from_checkpoint and store.list_objects(recursive=True):
-        raise InputError(f"--output_dir {args.output_dir} is not empty: pass --resume_from_checkpoint or use an "
-                         f"empty prefix")
-    return checkpointing.CheckpointUploader(store, Path(args.s3_cache_dir) / "checkpoints",
-                                            args.keep_last_n_checkpoints)
+    if not resuming and store.list_objects(recursive=True):
+        raise InputError(f"--output_dir {url} is not empty: pass --resume_from_checkpoint or use an empty prefix")
+    return checkpointing.CheckpointUploader(store, cache_dir / "checkpoints", keep_last_n)
 
 
-def open_shard_files(args) -> LocalShardFiles | storage.ShardCache:
-    """Where the shards are read from: the directory, or for s3:// this server's bounded download cache."""
-    if not storage.is_s3_url(args.input_dir):
-        if not Path(args.input_dir).is_dir():
-            raise InputError(f"--input_dir {args.input_dir} does not exist or is not a directory")
-        return LocalShardFiles(args.input_dir)
-    if not args.s3_cache_gb > 0:
-        raise InputError(f"--s3_cache_gb must be positive, got {args.s3_cache_gb}")
-    store = storage.S3Store(args.input_dir, args.s3_endpoint_url)
+def open_shard_files(input_dir: str, endpoint_url: str | None, cache_dir: str,
+                     cache_gb: float) -> LocalShardFiles | storage.ShardCache:
+    """Where the shards are read from: the directory, or for an s3:// input_dir this server's download
+    cache in cache_dir (--s3_cache_dir), bounded by cache_gb (--s3_cache_gb)."""
+    if not storage.is_s3_url(input_dir):
+        if not Path(input_dir).is_dir():
+            raise InputError(f"--input_dir {input_dir} does not exist or is not a directory")
+        return LocalShardFiles(input_dir)
+    if not cache_gb > 0:
+        raise InputError(f"--s3_cache_gb must be positive, got {cache_gb}")
+    store = storage.S3Store(input_dir, endpoint_url)
     store.check_access()
-    return storage.ShardCache(store, storage.server_cache_dir(args.s3_cache_dir), int(args.s3_cache_gb * 2 ** 30))
+    return storage.ShardCache(store, storage.server_cache_dir(cache_dir), int(cache_gb * 2 ** 30))
 
 
 def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer: str | None) -> dict:
@@ -269,19 +277,18 @@ def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer
     return config
 
 
-def inspect_data(args, global_micro_batch: int) -> DataInfo:
+def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCache, max_predictions_per_seq: int,
+                 global_micro_batch: int) -> DataInfo:
     """Check the header of every training shard (ids are checked later, per window read)."""
-    input_dir = args.input_dir
     try:
-        shard_files = open_shard_files(args)
         shards, seq_len, max_pred = scan_shards(input_dir, shard_files)
         if isinstance(shard_files, storage.ShardCache):
             shard_files.check_capacity([shard.path for shard in shards])
     except (ShardError, storage.StorageError) as err:
         raise InputError(str(err)) from err
-    if max_pred > args.max_predictions_per_seq:
+    if max_pred > max_predictions_per_seq:
         raise InputError(f"the shards hold {max_pred} masked positions per sequence, more than "
-                         f"--max_predictions_per_seq {args.max_predictions_per_seq}")
+                         f"--max_predictions_per_seq {max_predictions_per_seq}")
     num_samples = sum(s.num_samples for s in shards)
     if num_samples < global_micro_batch:
         raise InputError(f"--input_dir {input_dir} holds {num_samples} samples, fewer than one global "
@@ -302,25 +309,27 @@ def build_model(config: BertConfig, init_checkpoint: str | Path | None, checkpoi
     return model
 
 
-def build_engine(args, model: BertForPreTraining, ds_config: dict) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
-    """The client optimizer and scheduler the flags ask for, then runtime.initialize_engine."""
+def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: str | None, learning_rate: float,
+                 betas: list | None, lr_schedule: dict | None, lans_blocks: str,
+                 torch_compile: tuple[str, str] | None) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
+    """The client optimizer (--optimizer; None: the DeepSpeed JSON's) and LR schedule, then
+    runtime.initialize_engine. lr_schedule: PolyWarmUpScheduler's keyword arguments (--use_lr_scheduler), or
+    None. lans_blocks: --lans_blocks. torch_compile: (backend, mode) with --enable_torch_compile, else None."""
     groups = get_parameter_groups(model)
     optimizer = scheduler = None
-    if args.optimizer:
+    if optimizer_name:
         try:
             # adjust_step=False: no zero-gradient step ever reaches the optimizer (see optimizer_step_suppressed).
-            optimizer = build_optimizer(args.optimizer, groups, args.learning_rate, betas=args.betas, adjust_step=False)
-            if args.use_lr_scheduler:
-                scheduler = PolyWarmUpScheduler(optimizer, warmup=args.warmup_proportion,
-                                                total_steps=int(args.max_steps), degree=args.scheduler_degree,
-                                                constant=args.constant_proportion)
+            optimizer = build_optimizer(optimizer_name, groups, learning_rate, betas=betas, adjust_step=False)
+            if lr_schedule is not None:
+                scheduler = PolyWarmUpScheduler(optimizer, **lr_schedule)
         except ValueError as err:  # an impossible LR, betas or schedule
             raise InputError(f"optimizer / LR schedule: {err}") from err
     engine, optimizer = runtime.initialize_engine(model, ds_config, optimizer, scheduler, parameter_groups=groups)
-    if args.optimizer == "lans" and args.lans_blocks == "tensor":
+    if optimizer_name == "lans" and lans_blocks == "tensor":
         zero_partitions.use_tensor_blocks(engine.optimizer, optimizer)
-    if args.enable_torch_compile:
-        runtime.compile_model(engine, args.torch_compile_backend, args.torch_compile_mode)
+    if torch_compile is not None:
+        runtime.compile_model(engine, *torch_compile)
     return engine, optimizer
 
 
@@ -360,33 +369,38 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
                              f"{current[key]!r} now (set by {flag}); resume with the same data and settings")
 
 
-def restore_state(args, checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer,
-                  config: BertConfig, data_layout: dict, say: Callable[[str], None]) -> TrainState:
-    """Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one) when asked;
-    otherwise (or when it holds no checkpoint) a fresh state."""
-    fresh = TrainState(phase=2 if args.phase2 else 1)
-    if not args.resume_from_checkpoint:
+def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer,
+                  config: BertConfig, data_layout: dict, say: Callable[[str], None], *, resume: bool,
+                  resume_tag: str | None, phase2: bool, phase1_end_step: int, seed: int,
+                  output_dir: str) -> TrainState:
+    """Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one, which messages
+    name by output_dir) when resume (--resume_from_checkpoint); otherwise (or when it holds no checkpoint)
+    a fresh state. resume_tag: --resume_step, None for the newest complete checkpoint. phase2: --phase2
+    (with phase1_end_step, --phase1_end_step). seed: --seed, re-seeds the ranks after a resume on
+    another world size."""
+    fresh = TrainState(phase=2 if phase2 else 1)
+    if not resume:
         return fresh
     world, rank = dist.get_world_size(), dist.get_rank()
-    tag = (str(args.resume_step) if args.resume_step >= 0
-           else checkpointing.find_resume_tag(checkpoint_dir, model_config=config.to_dict()))
+    tag = resume_tag if resume_tag is not None else checkpointing.find_resume_tag(checkpoint_dir,
+                                                                                   model_config=config.to_dict())
     if tag is None:
-        say(f"no checkpoint in {args.output_dir}: starting from scratch")
+        say(f"no checkpoint in {output_dir}: starting from scratch")
         return fresh
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, world, say=say)
     if client["model_config"] != config.to_dict():
-        raise checkpointing.CheckpointError(f"checkpoint {tag} in {args.output_dir} is for another model config")
+        raise checkpointing.CheckpointError(f"checkpoint {tag} in {output_dir} is for another model config")
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"])
     if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0
-        runtime.seed_everything(args.seed + rank + world * state.global_step)
+        runtime.seed_everything(seed + rank + world * state.global_step)
     else:
         checkpointing.restore_rng_state(rank_state["rng"])
-    if args.phase2 and state.phase == 1:
-        if state.global_step != args.phase1_end_step:
+    if phase2 and state.phase == 1:
+        if state.global_step != phase1_end_step:
             raise InputError(f"checkpoint {tag} is at step {state.global_step}, "
-                             f"but --phase1_end_step is {args.phase1_end_step}")
+                             f"but --phase1_end_step is {phase1_end_step}")
         start_phase2(engine, optimizer, fresh_schedule)
         state = TrainState(phase=2)  # phase 2 reads its own data from position 0
     else:
@@ -395,7 +409,7 @@ def restore_state(args, checkpoint_dir: Path, engine: "DeepSpeedEngine", optimiz
         f"{state.samples_consumed} samples consumed")
     # Only PolyWarmUp (--use_lr_scheduler) saves its schedule; a DeepSpeed JSON scheduler saves only its step
     # and takes its parameters from the JSON at every start.
-    if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (args.phase2 and client["phase"] == 1):
+    if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (phase2 and client["phase"] == 1):
         follow_changed_schedule(engine.lr_scheduler, fresh_schedule, say)
     return state
 
@@ -705,13 +719,22 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     model = build_model(model_config, args.init_checkpoint, checkpoint_interval)
     graph_breaks = make_graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
-    engine, optimizer = build_engine(args, model, ds_config)
+    lr_schedule = {"warmup": args.warmup_proportion, "total_steps": int(args.max_steps),
+                   "degree": args.scheduler_degree, "constant": args.constant_proportion}
+    engine, optimizer = build_engine(model, ds_config, optimizer_name=args.optimizer, learning_rate=args.learning_rate,
+                                     betas=args.betas, lr_schedule=lr_schedule if args.use_lr_scheduler else None,
+                                     lans_blocks=args.lans_blocks,
+                                     torch_compile=((args.torch_compile_backend, args.torch_compile_mode)
+                                                    if args.enable_torch_compile else None))
     window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
     data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)
     checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
+    resume_tag = str(args.resume_step) if args.resume_step >= 0 else None
     if copies is not None:
-        copies.prepare(device, args.resume_from_checkpoint, str(args.resume_step) if args.resume_step >= 0 else None)
-    state = restore_state(args, checkpoint_dir, engine, optimizer, model_config, data_layout, say)
+        copies.prepare(device, args.resume_from_checkpoint, resume_tag)
+    state = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
+                          resume=args.resume_from_checkpoint, resume_tag=resume_tag, phase2=args.phase2,
+                          phase1_end_step=args.phase1_end_step, seed=args.seed, output_dir=args.output_dir)
     if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
         return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger, say,
                                 clock() - started)

@@ -151,7 +151,10 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
 
     def masters_and_steps():
-        engine, optimizer = rp.build_engine(args, rp.build_model(model_config, None, 0), dict(ds_dict))
+        engine, optimizer = rp.build_engine(
+            rp.build_model(model_config, None, 0), dict(ds_dict), optimizer_name="lans", learning_rate=0.01,
+            betas=None, lr_schedule={"warmup": 0.25, "total_steps": 4, "degree": 1.0, "constant": 0.0},
+            lans_blocks="tensor", torch_compile=None)
         masters = [m for group in engine.optimizer.fp32_groups for m in group]
         weights = [p.float() for group in engine.optimizer.fp16_groups for p in group]
         unchanged = all(torch.equal(m, w) for m, w in zip(masters, weights))
