@@ -407,8 +407,10 @@ class ShardCache:
     The processes coordinate through flock(2) locks, which the kernel drops when a process dies: a rank
     killed at any point leaves no stale lock.
     - `.<name>.lock`, one per object: a download holds it exclusively; a reader holds it shared from
-      local_path() until it asks for another object (or closes), so a copy is never evicted while a local
-      rank reads it. Eviction takes it exclusively without waiting, and passes over a copy it cannot get.
+      local_path() until it releases it, asks for another object or closes, so a copy is never evicted
+      while a local rank reads it. (The reader releases it as soon as it has read its rows: a rank that
+      kept a copy while idle could be waiting, through a collective, for a rank that waits for its room.)
+      Eviction takes it exclusively without waiting, and passes over a copy it cannot get.
       (Chosen over per-rank hard links, which would keep an evicted file's blocks on disk past the bound.)
     - `.space.lock`: held while the bytes in use are added up and a download claims its room (its partial
       file, made full size at once), so two ranks never both count the same free bytes.
@@ -482,9 +484,9 @@ class ShardCache:
             return data
 
     def local_path(self, url: str) -> Path:
-        """The local copy of `url`, downloaded if needed; no local rank evicts it until this process asks
-        for another one (or closes)."""
-        self._release_held()  # first: a rank waiting for room may need the copy this one held
+        """The local copy of `url`, downloaded if needed; no local rank evicts it until this process
+        releases it, asks for another one or closes."""
+        self.release()  # first: a rank waiting for room may need the copy this one held
         lock = self._lock_file(url)
         try:
             while True:
@@ -503,7 +505,8 @@ class ShardCache:
         self._held = (url, lock)
         return self._file(url)
 
-    def _release_held(self) -> None:
+    def release(self) -> None:
+        """The copy that local_path gave last is no longer read (local ranks may evict it)."""
         if self._held is not None:
             self._held[1].close()
             self._held = None
@@ -535,7 +538,8 @@ class ShardCache:
     def _claim_room(self, url: str, wait: bool) -> bool:
         """With the object's lock held exclusively: make room for it and claim it, as its partial file at
         full size. Without `wait`, False when there is no room now; with it, wait for local ranks to release
-        copies (a rank releases its copy before it waits for another, so this ends)."""
+        copies (a reader holds a copy only while it reads rows of it, and releases it before it waits for
+        another, so this ends)."""
         size = self.objects[url].size
         self.check_capacity([url])
         while True:
@@ -593,4 +597,4 @@ class ShardCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._release_held()
+        self.release()

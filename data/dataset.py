@@ -78,6 +78,9 @@ class LocalShardFiles:
         """The local file to read rows of `path` from (called just before each read)."""
         return Path(path)
 
+    def release(self) -> None:
+        """The reader has the rows it needs in memory: the shard it read last may go (e.g. be evicted)."""
+
     def prefetch(self, path) -> None:
         """`path` is the next shard in layout order."""
 
@@ -217,8 +220,13 @@ class WindowReader:
         self._window_key, self._window = None, None
 
     def _load_window(self, epoch: int, window: int) -> dict:
-        pieces = [_read_piece(shard, self.shard_files.local_path(shard.path), first, end, self.vocab_size)
-                  for shard, first, end in self.stream.window_pieces(epoch, window)]
+        try:
+            pieces = [_read_piece(shard, self.shard_files.local_path(shard.path), first, end, self.vocab_size)
+                      for shard, first, end in self.stream.window_pieces(epoch, window)]
+        finally:
+            # The window is in memory: hold no shard while its batches are used. A rank that kept one could
+            # wait (queue full, then a collective) for a rank that waits for room in the cache for another.
+            self.shard_files.release()
         self.shard_files.prefetch(self.stream.shard_after(epoch, window).path)
         arrays = {key: np.concatenate([p[key] for p in pieces]) for key in SHARD_KEYS}
         order = self.stream.window_permutation(epoch, window, len(arrays["input_ids"]))

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import h5py
 import pytest
@@ -411,3 +412,33 @@ def test_local_ranks_with_a_cache_of_one_shard_evict_only_what_no_rank_reads(tmp
                                                 capacity=sizes[-1] + sizes[0] // 2))
     assert codes == [0] * 2, [err[-2000:] for _, err in outputs]
     assert {out.strip() for out, _ in outputs} == {local_digest(local)}
+
+
+def test_a_rank_ahead_holds_no_copy_that_a_rank_behind_needs_room_for(tmp_path, remote_shards):
+    """Two local ranks (two caches on one directory: flock locks belong to open files, so they exclude each
+    other as two processes would), a cache that holds the largest shard but no two. The rank ahead has loaded
+    a window of one shard and reads nothing more for now (in training: its queue of batches is full and it
+    waits for the rank behind at the next collective). The rank behind then needs another shard: it must get
+    it, not wait forever for room that the idle rank ahead keeps."""
+    store, local = remote_shards
+    sizes = sorted(p.stat().st_size for p in local.glob("*training*"))
+    capacity = sizes[-1] + sizes[0] // 2  # the largest shard fits, no two shards do
+    ahead, behind = (storage.ShardCache(store, tmp_path / "cache", capacity=capacity) for _ in range(2))
+    shards, _, _ = scan_shards(store.url(), ahead)
+    readers = [WindowReader(shards, seed=3, window_size=7, vocab_size=30522, shard_files=cache)
+               for cache in (ahead, behind)]
+    stream = readers[0].stream
+    first = stream.window_pieces(0, 0)[0][0]
+    later = next(w for w in range(stream.epoch_size // 7) if first not in [p[0] for p in stream.window_pieces(0, w)])
+    readers[0].read(later * 7, 1)  # the rank ahead: a window of other shards than the first, in memory
+    got = {}
+    behind_reads = threading.Thread(target=lambda: got.update(rows=readers[1].read(0, 7)), daemon=True)
+    behind_reads.start()
+    behind_reads.join(timeout=30)
+    stuck = behind_reads.is_alive()
+    ahead.close()  # (lets a stuck rank behind go on, so that the failure below leaves no thread behind)
+    behind_reads.join(timeout=30)
+    behind.close()
+    assert not stuck, "the rank behind waited for room that the idle rank ahead kept"
+    expected = WindowReader(scan_shards(local)[0], seed=3, window_size=7, vocab_size=30522).read(0, 7)
+    assert all((got["rows"][key] == expected[key]).all() for key in expected)
