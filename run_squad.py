@@ -147,8 +147,8 @@ def score(args, result, output_dir) -> dict:
 def main(argv=None) -> dict:
     args = finetuning.parse_arguments(build_parser(), argv)
     ds_config = finetuning.validate(args)
-    config, weights = finetuning.load_pretrained(args)
-    tokenizer = finetuning.load_tokenizer(args, config)
+    config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)
+    tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)
     data = read_task_data(args, tokenizer, config)
     session = finetuning.start(args, ds_config, "run_squad")
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session.say)

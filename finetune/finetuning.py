@@ -7,8 +7,8 @@ Interface, in the order an entry point's main() calls it:
                                                  # add the task's own to groups["data"], ...
     args = finetuning.parse_arguments(parser, argv)  # picks the accelerator before DeepSpeed is imported
     ds_config = finetuning.validate(args)        # common checks + the DeepSpeed settings; InputError
-    config, weights = finetuning.load_pretrained(args)   # --init_checkpoint (any weight source) / --config_file
-    tokenizer = finetuning.load_tokenizer(args, config)  # tokenizers.Tokenizer; vocab size == model's or error
+    config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)  # any weight source
+    tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)  # vocab size == model's
     session = finetuning.start(args, ds_config, "run_glue")  # device, process group, seed + rank, dllogger
     model = finetuning.build_model(lambda config: BertForSequenceClassification(config, 2), config, weights,
                                    session.say)
@@ -146,16 +146,21 @@ def validate(args) -> dict:
     checkpoints = output_dir / CHECKPOINT_SUBDIR
     if args.do_train and not args.resume_from_checkpoint and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise InputError(f"{checkpoints} holds checkpoints: pass --resume_from_checkpoint or use a new --output_dir")
-    return deepspeed_settings(args, int(os.environ.get("WORLD_SIZE", "1"))) if args.do_train else None
+    if not args.do_train:
+        return None
+    return deepspeed_settings(args.deepspeed_config, args.train_batch_size, args.gradient_accumulation_steps,
+                              int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def deepspeed_settings(args, world_size: int) -> dict:
-    """The DeepSpeed JSON (optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags filled in. As in NVIDIA's
-    run_squad.py and run_glue.py, --train_batch_size is one process's batch per optimizer step: its micro-batch
-    is train_batch_size / gradient_accumulation_steps (NVIDIA floors the division; here it must be exact)."""
-    where = args.deepspeed_config or "the DeepSpeed settings"
-    config = deepspeed_config.read(args.deepspeed_config) if args.deepspeed_config else {}
-    accumulation = args.gradient_accumulation_steps
+def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_accumulation_steps: int | None,
+                       world_size: int) -> dict:
+    """The DeepSpeed JSON at path (--deepspeed_config; optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags
+    filled in. As in NVIDIA's run_squad.py and run_glue.py, --train_batch_size is one process's batch per optimizer
+    step: its micro-batch is train_batch_size / gradient_accumulation_steps (NVIDIA floors the division; here it
+    must be exact). None: the flag was not given."""
+    where = path or "the DeepSpeed settings"
+    config = deepspeed_config.read(path) if path else {}
+    accumulation = gradient_accumulation_steps
     if accumulation is not None:
         if accumulation < 1:
             raise InputError(f"--gradient_accumulation_steps must be at least 1, got {accumulation}")
@@ -164,7 +169,7 @@ def deepspeed_settings(args, world_size: int) -> dict:
                              f"{config['gradient_accumulation_steps']} in {where}: set one of them")
         config["gradient_accumulation_steps"] = accumulation
     accumulation = config.setdefault("gradient_accumulation_steps", 1)
-    batch = args.train_batch_size
+    batch = train_batch_size
     if batch is None and "train_micro_batch_size_per_gpu" not in config:
         batch = 32  # NVIDIA's default of --train_batch_size
     if batch is not None:
@@ -187,15 +192,15 @@ def deepspeed_settings(args, world_size: int) -> dict:
     return deepspeed_config.check(config, world_size, where)
 
 
-def load_pretrained(args) -> tuple:
-    """(BertConfig, weights or None): from --init_checkpoint (checked against --config_file if given),
-    else --config_file with fresh weights."""
-    if args.init_checkpoint is None:
-        return read_config_file(args.config_file), None
-    if storage.is_s3_url(args.init_checkpoint):
+def load_pretrained(init_checkpoint: str | Path | None, config_file: str | Path | None) -> tuple:
+    """(BertConfig, weights or None): from init_checkpoint (--init_checkpoint, any weight source; checked
+    against config_file, --config_file, if given), else config_file with fresh weights."""
+    if init_checkpoint is None:
+        return read_config_file(config_file), None
+    if storage.is_s3_url(str(init_checkpoint)):
         with tempfile.TemporaryDirectory(prefix="init-checkpoint-") as local:
-            return read_pretrained_weights(fetch_s3_checkpoint(args.init_checkpoint, Path(local)), args.config_file)
-    return read_pretrained_weights(args.init_checkpoint, args.config_file)
+            return read_pretrained_weights(fetch_s3_checkpoint(str(init_checkpoint), Path(local)), config_file)
+    return read_pretrained_weights(init_checkpoint, config_file)
 
 
 def fetch_s3_checkpoint(url: str, local: Path) -> Path:
@@ -211,12 +216,12 @@ def fetch_s3_checkpoint(url: str, local: Path) -> Path:
     return local / tag
 
 
-def load_tokenizer(args, config: BertConfig):
-    """The WordPiece tokenizer of --vocab_file; its size must be the model's vocab_size."""
+def load_tokenizer(vocab_file: str, do_lower_case: bool, config: BertConfig):
+    """The WordPiece tokenizer of vocab_file (--vocab_file); its size must be the model's vocab_size."""
     from data.tokenization import load_tokenizer as load
-    tokenizer, vocab_size, _ = load(args.vocab_file, args.do_lower_case)
+    tokenizer, vocab_size, _ = load(vocab_file, do_lower_case)
     if vocab_size != config.vocab_size:
-        raise InputError(f"--vocab_file {args.vocab_file} has {vocab_size} tokens, but the model has "
+        raise InputError(f"--vocab_file {vocab_file} has {vocab_size} tokens, but the model has "
                          f"vocab_size {config.vocab_size}: use the pretrained model's vocab")
     return tokenizer
 
@@ -287,10 +292,11 @@ class Plan:
     def steps_per_epoch(self) -> int:
         return self.num_examples // self.global_batch
 
-    def total_steps(self, args) -> int:
-        if args.max_steps > 0:
-            return int(args.max_steps)
-        return max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
+    def total_steps(self, max_steps: float, num_train_epochs: float) -> int:
+        """--max_steps when positive, else --num_train_epochs epochs (at least one step)."""
+        if max_steps > 0:
+            return int(max_steps)
+        return max(1, math.ceil(num_train_epochs * self.steps_per_epoch))
 
     def micro_batch_indices(self, step: int, micro: int, rank: int, seed: int) -> torch.Tensor:
         """Rows of optimizer step `step` (0-based), micro-step `micro`, rank `rank`."""
@@ -310,7 +316,7 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
                 session.world, len(next(iter(features.values()))))
     if plan.steps_per_epoch == 0:
         raise InputError(f"{plan.num_examples} training examples, fewer than one global batch ({plan.global_batch})")
-    total_steps = plan.total_steps(args)
+    total_steps = plan.total_steps(args.max_steps, args.num_train_epochs)
     # The fused kernel, as transformers' Trainer uses: on the CPU the default is a per-tensor loop, and the step
     # took most of a fine-tuning step's time (docs/results.md, bench_glue). Gaudi has its own fused optimizers.
     fused = session.device.type in ("cpu", "cuda")
@@ -322,7 +328,7 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     step = resume(session, engine, model.config) if args.resume_from_checkpoint else 0
     session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                 + (f", resumed at step {step}" if step else ""))
-    progress = make_progress_bar(args, session.rank, total_steps, step)
+    progress = make_progress_bar(not args.disable_progress_bar and session.rank == 0, total_steps, step)
     first_step, losses, stopped = step, [], False
     with runtime.stop_requests() as stop_event:
         while step < total_steps and not stopped:
@@ -370,26 +376,25 @@ def to_device(features: dict, rows, device) -> dict:
     return {name: tensor[rows].to(device) for name, tensor in features.items()}
 
 
-def make_progress_bar(args, rank: int, total: int, initial: int):
+def make_progress_bar(show: bool, total: int, initial: int):
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, desc="fine-tuning steps", dynamic_ncols=True,
-                disable=args.disable_progress_bar or rank != 0)
+    return tqdm(total=total, initial=initial, desc="fine-tuning steps", dynamic_ncols=True, disable=not show)
 
 
-def checkpoint_dir(args) -> Path:
-    return Path(args.output_dir) / CHECKPOINT_SUBDIR
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINT_SUBDIR
 
 
 def save(session: Session, engine, step: int) -> None:
     """Collective. The optimizer, scheduler and RNG states come along, so a resume continues exactly."""
     client_state = {"global_step": step, "model_config": engine.module.config.to_dict()}
-    checkpointing.save_checkpoint(engine, checkpoint_dir(session.args), str(step), client_state,
+    checkpointing.save_checkpoint(engine, checkpoint_dir(session.args.output_dir), str(step), client_state,
                                   {"rng": checkpointing.capture_rng_state()})
-    session.say(f"saved checkpoint {step} in {checkpoint_dir(session.args)}")
+    session.say(f"saved checkpoint {step} in {checkpoint_dir(session.args.output_dir)}")
 
 
 def resume(session: Session, engine, config: BertConfig) -> int:
-    directory = checkpoint_dir(session.args)
+    directory = checkpoint_dir(session.args.output_dir)
     tag = checkpointing.find_resume_tag(directory, model_config=config.to_dict())
     if tag is None:
         session.say(f"no checkpoint in {directory}: starting from step 0")

@@ -91,12 +91,8 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
 # ============================================================================ --train_batch_size, as NVIDIA's
 
 def batch_settings(train_batch_size, accumulation, world_size=1, deepspeed_config=None):
-    from types import SimpleNamespace
-
     from finetune import finetuning
-    args = SimpleNamespace(train_batch_size=train_batch_size, gradient_accumulation_steps=accumulation,
-                           deepspeed_config=deepspeed_config)
-    config = finetuning.deepspeed_settings(args, world_size)
+    config = finetuning.deepspeed_settings(deepspeed_config, train_batch_size, accumulation, world_size)
     return config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]
 
 
@@ -214,8 +210,6 @@ def test_two_ranks_with_zero1_equal_one_rank(tmp_path, pretrained_tiny_checkpoin
 def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_checkpoint):
     """The ZeRO-1 checkpoint directory, its tag directory, `python -m training.checkpointing export`'s file
     (+ --config_file) and our pre-LN `python -m finetune.hf_interop export` directory all give the same weights."""
-    from types import SimpleNamespace
-
     from finetune.finetuning import load_pretrained
 
     assert checkpointing.export_main(["export", "--output_dir", str(pretrained_tiny_checkpoint),
@@ -224,7 +218,7 @@ def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_ch
                             "--do_lower_case", "--output_dir", str(tmp_path / "hf")]) == 0
     sources = {"run directory": (pretrained_tiny_checkpoint, None), "tag": (pretrained_tiny_checkpoint / "40", None),
                "export file": (tmp_path / "model.pt", TINY_CONFIG), "hf_interop": (tmp_path / "hf", None)}
-    loaded = {name: load_pretrained(SimpleNamespace(init_checkpoint=path, config_file=config))
+    loaded = {name: load_pretrained(path, config)
               for name, (path, config) in sources.items()}
     reference_config, reference = loaded.pop("run directory")
     assert reference_config == BertConfig.from_json_file(TINY_CONFIG)

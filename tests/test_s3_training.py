@@ -1,7 +1,6 @@
 """S3 end to end, against a real S3 server (moto_server on 127.0.0.1): the data tool reading text from
 and writing shards to S3, and the driver training from S3 shards and checkpointing to S3."""
 
-import argparse
 import gzip
 import subprocess
 import sys
@@ -128,7 +127,7 @@ def test_training_from_s3_with_retried_faults_and_a_small_cache_matches_local(tm
     # Fine-tuning reads the S3 output (a run's prefix, or one tag of it) as it reads a local one.
     _, expected = checkpointing.consolidated_checkpoint(tmp_path / "ref", str(steps))
     for url in (output_url, f"{output_url}/{steps}"):
-        _, weights = finetuning.load_pretrained(argparse.Namespace(init_checkpoint=url, config_file=None))
+        _, weights = finetuning.load_pretrained(url, None)
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
     output = capsys.readouterr()
     assert s3_helpers.SECRET_KEY not in output.out + output.err and s3_helpers.ACCESS_KEY not in output.out + output.err
