@@ -42,8 +42,7 @@ def build_parser():
     return parser
 
 
-def read_task_data(args, task, tokenizer, config) -> dict:
-    """{split name: (examples, features)} of every split this run needs: read before any work."""
+def check_flags(args, config) -> None:
     if not 3 <= args.max_seq_length <= config.max_position_embeddings:
         raise InputError(f"--max_seq_length must be in [3, {config.max_position_embeddings}] (the model's "
                          f"max_position_embeddings), got {args.max_seq_length}")
@@ -51,12 +50,21 @@ def read_task_data(args, task, tokenizer, config) -> dict:
         raise InputError(f"--eval_batch_size must be at least 1, got {args.eval_batch_size}")
     if not Path(args.data_dir).is_dir():
         raise InputError(f"--data_dir {args.data_dir} is not a directory")
-    names = (["train"] if args.do_train else []) + (list(task.dev) if args.do_eval else []) \
-        + ([f"test_{name}" for name in task.test] if args.do_predict else [])
+
+
+def split_names(task, train: bool, evaluate: bool, predict: bool) -> list:
+    """The splits a run reads: "train", the task's dev sets (--do_eval), "test_<name>" of its test sets
+    (--do_predict)."""
+    return (["train"] if train else []) + (list(task.dev) if evaluate else []) \
+        + ([f"test_{name}" for name in task.test] if predict else [])
+
+
+def read_task_data(task, data_dir: str, names: list, tokenizer, max_seq_length: int) -> dict:
+    """{split name: (examples, features)} of the splits `names` in data_dir: read before any work."""
     data = {}
     for name in names:
-        examples = read_examples(task, args.data_dir, name)
-        data[name] = examples, convert_examples_to_features(examples, task, tokenizer, args.max_seq_length)
+        examples = read_examples(task, data_dir, name)
+        data[name] = examples, convert_examples_to_features(examples, task, tokenizer, max_seq_length)
     return data
 
 
@@ -113,18 +121,22 @@ def evaluate(session, model, task, data) -> dict:
     return summary
 
 
-def main(argv=None) -> dict:
+def main(argv=None, *, make_loss=loss_function) -> dict:
+    """Fine-tune and/or evaluate; returns the summary (also logged). make_loss(task) -> loss(model, batch)
+    (default loss_function) is there for tests: a loss that sends SIGTERM during a chosen step."""
     args = finetuning.parse_arguments(build_parser(), argv)
     ds_config = finetuning.validate(args)
     task = TASKS[args.task_name]
     config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)
     tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)
-    data = read_task_data(args, task, tokenizer, config)
+    check_flags(args, config)
+    data = read_task_data(task, args.data_dir, split_names(task, args.do_train, args.do_eval, args.do_predict),
+                          tokenizer, args.max_seq_length)
     session = finetuning.start(args, ds_config, "run_glue")
     model = finetuning.build_model(lambda c: BertForSequenceClassification(c, task.num_labels), config, weights,
                                    session.say)
     return finetuning.train_then_evaluate(
-        session, model, data["train"][1] if args.do_train else None, loss_function(task),
+        session, model, data["train"][1] if args.do_train else None, make_loss(task),
         (lambda: evaluate(session, model, task, data)) if args.do_eval or args.do_predict else None)
 
 

@@ -64,25 +64,24 @@ def check_flags(args, config) -> None:
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
 
 
-def read_task_data(args, tokenizer, config) -> dict:
-    """{"train"/"predict": (examples, features)} of what this run needs: read before any work."""
-    check_flags(args, config)
+def read_task_data(tokenizer, train_file: str | None, predict_file: str | None, *, scored: bool,
+                   version_2_with_negative: bool, max_seq_length: int, doc_stride: int, max_query_length: int) -> dict:
+    """{"train"/"predict": (examples, features)} of what this run needs: read before any work. train_file /
+    predict_file: None when the run does not train / predict. scored (--do_eval): every question of
+    predict_file must have answers. The windows: --max_seq_length, --doc_stride, --max_query_length."""
     tokenizer = squad.SquadTokenizer(tokenizer)
-    wanted = {"train": args.train_file if args.do_train else None,
-              "predict": args.predict_file if args.do_predict or args.do_eval else None}
     data = {}
-    for name, path in wanted.items():
+    for name, path in (("train", train_file), ("predict", predict_file)):
         if path is None:
             continue
-        examples = squad.read_squad(path, is_training=name == "train",
-                                    version_2_with_negative=args.version_2_with_negative)
-        if name == "predict" and args.do_eval:
+        examples = squad.read_squad(path, is_training=name == "train", version_2_with_negative=version_2_with_negative)
+        if name == "predict" and scored:
             unscored = [e.qas_id for e in examples if not e.gold_answers and not e.is_impossible]
             if unscored:
                 raise InputError(f"--do_eval: {path} has no answers for {len(unscored)} question(s) "
                                  f"(first: id {unscored[0]}); use --do_predict alone for unanswered files")
-        features = squad.convert_examples_to_features(examples, tokenizer, args.max_seq_length, args.doc_stride,
-                                                      args.max_query_length, is_training=name == "train")
+        features = squad.convert_examples_to_features(examples, tokenizer, max_seq_length, doc_stride,
+                                                      max_query_length, is_training=name == "train")
         data[name] = examples, features
     return data
 
@@ -127,20 +126,23 @@ def predict_and_evaluate(session, model, examples, features) -> dict:
     session.say(f"wrote predictions.json and nbest_predictions.json{' and null_odds.json' * bool(result.null_odds)}"
                 f" for {len(examples)} questions in {output_dir}")
     if args.do_eval:
-        summary.update(score(args, result, output_dir))
+        summary.update(score(result, args.predict_file, output_dir, args.version_2_with_negative,
+                             args.null_score_diff_threshold))
         session.say(f"exact_match {summary['exact_match']:.2f}, F1 {summary['F1']:.2f}")
     return summary
 
 
-def score(args, result, output_dir) -> dict:
-    """The official scripts' figures (eval_results.json) and NVIDIA's dllogger names for the main two."""
-    dataset = squad.load_json(args.predict_file)
-    if args.version_2_with_negative:  # a question counts as unanswered exactly when its prediction is ""
-        figures = squad_metrics.evaluate(dataset, result.answers, result.null_odds, args.null_score_diff_threshold)
+def score(result, predict_file: str, output_dir: Path, version_2_with_negative: bool,
+          null_score_diff_threshold: float) -> dict:
+    """The official scripts' figures (eval_results.json in output_dir) of result's answers to predict_file, and
+    NVIDIA's dllogger names for the main two."""
+    dataset = squad.load_json(predict_file)
+    if version_2_with_negative:  # a question counts as unanswered exactly when its prediction is ""
+        figures = squad_metrics.evaluate(dataset, result.answers, result.null_odds, null_score_diff_threshold)
     else:
         figures = squad_metrics.evaluate(dataset, result.answers)
     write_json(output_dir / "eval_results.json", figures)
-    exact = figures.pop("exact" if args.version_2_with_negative else "exact_match")
+    exact = figures.pop("exact" if version_2_with_negative else "exact_match")
     return {"exact_match": exact, "F1": figures.pop("f1"), **figures}
 
 
@@ -149,7 +151,11 @@ def main(argv=None) -> dict:
     ds_config = finetuning.validate(args)
     config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)
     tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)
-    data = read_task_data(args, tokenizer, config)
+    check_flags(args, config)
+    data = read_task_data(tokenizer, args.train_file if args.do_train else None,
+                          args.predict_file if args.do_predict or args.do_eval else None, scored=args.do_eval,
+                          version_2_with_negative=args.version_2_with_negative, max_seq_length=args.max_seq_length,
+                          doc_stride=args.doc_stride, max_query_length=args.max_query_length)
     session = finetuning.start(args, ds_config, "run_squad")
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session.say)
     return finetuning.train_then_evaluate(

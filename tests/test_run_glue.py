@@ -156,15 +156,13 @@ def test_with_shuffled_labels_the_same_run_stays_at_chance(tmp_path, pretrained_
 
 # ============================================================================ stop and resume
 
-def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
     data = write_sst2_rule_task(tmp_path / "data", 96, 32)
     common = dict(config_file=TINY_CONFIG, max_steps=6, do_eval=False, max_seq_length=32)
     run_glue.main(glue_argv(data, tmp_path / "straight", **common))
 
-    real_loss_function = run_glue.loss_function
-
     def loss_function_with_sigterm(task):
-        loss, calls = real_loss_function(task), []
+        loss, calls = run_glue.loss_function(task), []
 
         def loss_then_sigterm(model, batch):
             calls.append(1)
@@ -173,11 +171,9 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
             return loss(model, batch)
         return loss_then_sigterm
 
-    monkeypatch.setattr(run_glue, "loss_function", loss_function_with_sigterm)
-    stopped = run_glue.main(glue_argv(data, tmp_path / "resumed", **common))
+    stopped = run_glue.main(glue_argv(data, tmp_path / "resumed", **common), make_loss=loss_function_with_sigterm)
     assert stopped["stopped_by_signal"] and stopped["global_step"] == 3
     assert checkpointing.find_resume_tag(tmp_path / "resumed" / "checkpoints") == "3"
-    monkeypatch.setattr(run_glue, "loss_function", real_loss_function)
     resumed = run_glue.main(glue_argv(data, tmp_path / "resumed", resume_from_checkpoint=True, **common))
     assert resumed["global_step"] == 6 and not resumed["stopped_by_signal"]
     straight = checkpointing.consolidated_state_dict(tmp_path / "straight" / "checkpoints")

@@ -83,12 +83,17 @@ def test_flag_errors(tmp_path, capfd, squad_files, flags, message):
     assert message in one_error_line(capfd, status)
 
 
-def test_eval_needs_answers(tmp_path, capfd):
+def test_eval_needs_answers(tmp_path, capfd, squad_files):
     unanswered = write_squad(tmp_path / "test.json",
                              [{"context": "Anne smiled.", "qas": [{"id": "1", "question": "?"}]}])
     status = run_squad.cli(squad_argv(tmp_path / "out", predict_file=unanswered, do_eval=True, do_train=True,
                                       train_file=unanswered))
     assert "has no 'answers'" in one_error_line(capfd, status)
+    # Training data that has answers: the file to score is the one refused (--do_predict alone would take it).
+    status = run_squad.cli(squad_argv(tmp_path / "out", predict_file=unanswered, do_eval=True, do_train=True,
+                                      train_file=squad_files[0]))
+    assert one_error_line(capfd, status) == (f"error: --do_eval: {unanswered} has no answers for 1 question(s) "
+                                             f"(first: id 1); use --do_predict alone for unanswered files")
 
 
 def test_short_run_writes_official_files(tmp_path, squad_files):
