@@ -89,14 +89,15 @@ def label_text(task, prediction) -> str:
     return f"{float(prediction):.3f}" if task.labels is None else task.labels[int(prediction)]
 
 
-def evaluate(session, model, task, data) -> dict:
-    """Metrics and predictions of every evaluation/test set in `data`; rank 0 writes the files."""
-    args, output_dir, results, timing = session.args, Path(session.args.output_dir), {}, {"time": 0.0, "rows": 0}
+def evaluate(session, model, task, data, batch_size: int) -> dict:
+    """Metrics and predictions of every evaluation/test set in `data`, batch_size (--eval_batch_size) rows per
+    device at a time; rank 0 writes the files in the session's output directory."""
+    output_dir, results, timing = session.output_dir, {}, {"time": 0.0, "rows": 0}
     for name, (examples, features) in data.items():
         if name == "train":
             continue
         started = time.perf_counter()
-        (logits,) = finetuning.predict(session, model, features, args.eval_batch_size, logits_of)
+        (logits,) = finetuning.predict(session, model, features, batch_size, logits_of)
         timing["time"] += time.perf_counter() - started
         timing["rows"] += len(examples)
         predictions = predictions_from(task, logits)
@@ -137,7 +138,8 @@ def main(argv=None, *, make_loss=loss_function) -> dict:
                                    session.say)
     return finetuning.train_then_evaluate(
         session, model, data["train"][1] if args.do_train else None, make_loss(task),
-        (lambda: evaluate(session, model, task, data)) if args.do_eval or args.do_predict else None)
+        (lambda: evaluate(session, model, task, data, args.eval_batch_size)) if args.do_eval or args.do_predict
+        else None)
 
 
 def cli(argv=None) -> int:

@@ -16,6 +16,7 @@ finetune/squad_metrics.py) and the dllogger keys exact_match and F1 (v2.0: also 
 checkpoints/ (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
 """
 
+import functools
 import json
 import sys
 import time
@@ -106,28 +107,30 @@ def write_json(path, value) -> None:
     write_text_atomically(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
-def predict_and_evaluate(session, model, examples, features) -> dict:
-    """Predictions of --predict_file (rank 0 writes the files) and, with --do_eval, their scores."""
-    args, output_dir = session.args, Path(session.args.output_dir)
+def predict_and_evaluate(session, model, examples, features, *, batch_size: int, n_best_size: int,
+                         max_answer_length: int, version_2_with_negative: bool, null_score_diff_threshold: float,
+                         answers_file: str | None) -> dict:
+    """Predictions of --predict_file's examples and features (rank 0 writes the files in the session's output
+    directory) and, when answers_file is given (--do_eval: --predict_file), their scores against its answers.
+    batch_size: --predict_batch_size; the others are the SQuAD flags of the same names."""
+    output_dir = session.output_dir
     started = time.perf_counter()
-    start_logits, end_logits = finetuning.predict(session, model, tensors(features, training=False),
-                                                  args.predict_batch_size, span_logits)
+    start_logits, end_logits = finetuning.predict(session, model, tensors(features, training=False), batch_size,
+                                                  span_logits)
     inference_time = time.perf_counter() - started
     summary = {"e2e_inference_time": inference_time, "inference_sequences_per_second": len(features) / inference_time}
     if session.rank != 0:
         return summary
-    result = squad.decode_predictions(examples, features, start_logits.numpy(), end_logits.numpy(), args.n_best_size,
-                                      args.max_answer_length, args.version_2_with_negative,
-                                      args.null_score_diff_threshold)
+    result = squad.decode_predictions(examples, features, start_logits.numpy(), end_logits.numpy(), n_best_size,
+                                      max_answer_length, version_2_with_negative, null_score_diff_threshold)
     write_json(output_dir / "predictions.json", result.answers)
     write_json(output_dir / "nbest_predictions.json", result.nbest)
-    if args.version_2_with_negative:
+    if version_2_with_negative:
         write_json(output_dir / "null_odds.json", result.null_odds)
     session.say(f"wrote predictions.json and nbest_predictions.json{' and null_odds.json' * bool(result.null_odds)}"
                 f" for {len(examples)} questions in {output_dir}")
-    if args.do_eval:
-        summary.update(score(result, args.predict_file, output_dir, args.version_2_with_negative,
-                             args.null_score_diff_threshold))
+    if answers_file is not None:
+        summary.update(score(result, answers_file, output_dir, version_2_with_negative, null_score_diff_threshold))
         session.say(f"exact_match {summary['exact_match']:.2f}, F1 {summary['F1']:.2f}")
     return summary
 
@@ -158,9 +161,16 @@ def main(argv=None) -> dict:
                           doc_stride=args.doc_stride, max_query_length=args.max_query_length)
     session = finetuning.start(args, ds_config, "run_squad")
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session.say)
+    predict = None
+    if "predict" in data:
+        predict = functools.partial(
+            predict_and_evaluate, session, model, *data["predict"], batch_size=args.predict_batch_size,
+            n_best_size=args.n_best_size, max_answer_length=args.max_answer_length,
+            version_2_with_negative=args.version_2_with_negative,
+            null_score_diff_threshold=args.null_score_diff_threshold,
+            answers_file=args.predict_file if args.do_eval else None)
     return finetuning.train_then_evaluate(
-        session, model, tensors(data["train"][1], training=True) if "train" in data else None, span_loss,
-        (lambda: predict_and_evaluate(session, model, *data["predict"])) if "predict" in data else None)
+        session, model, tensors(data["train"][1], training=True) if "train" in data else None, span_loss, predict)
 
 
 def cli(argv=None) -> int:

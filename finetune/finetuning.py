@@ -39,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,19 +229,38 @@ def load_tokenizer(vocab_file: str, do_lower_case: bool, config: BertConfig):
 
 # ============================================================================ session, model
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class TrainingFlags:
+    """What train() follows: the common flags of build_parser."""
+    learning_rate: float
+    warmup_proportion: float
+    max_steps: float                # > 0: overrides num_train_epochs
+    num_train_epochs: float
+    seed: int                       # the samples' order in epoch e is a permutation seeded with seed + e
+    log_freq: int
+    num_steps_per_checkpoint: int   # 0: only at the end and on SIGTERM/SIGINT
+    skip_checkpoint: bool
+    resume: bool                    # --resume_from_checkpoint
+    torch_compile: tuple[str, str] | None  # (backend, mode) with --enable_torch_compile, else None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Session:
-    args: argparse.Namespace
-    ds_config: dict | None
+    """A started run: device, process group, dllogger, and what train() and predict() follow."""
+    ds_config: dict | None  # None without --do_train
     device: torch.device
     rank: int
     world: int
-    logger: object
-    say: object
+    logger: object  # runtime.build_logger's
+    say: Callable[[str], None]  # prints on rank 0, nothing elsewhere
+    output_dir: Path  # --output_dir; checkpoints in its CHECKPOINT_SUBDIR
+    progress_bar: bool  # rank 0 without --disable-progress-bar
+    training: TrainingFlags
 
 
 def start(args, ds_config: dict | None, name: str) -> Session:
-    """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters."""
+    """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters; the Session holds
+    the values of the flags that train() and predict() follow."""
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime.seed_everything(args.seed + rank)
@@ -248,7 +268,15 @@ def start(args, ds_config: dict | None, name: str) -> Session:
     logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "deepspeed_config": ds_config})
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     say = (lambda text: print(f"[{name}] {text}", flush=True)) if rank == 0 else (lambda text: None)
-    return Session(args, ds_config, device, rank, world, logger, say)
+    training = TrainingFlags(
+        learning_rate=args.learning_rate, warmup_proportion=args.warmup_proportion, max_steps=args.max_steps,
+        num_train_epochs=args.num_train_epochs, seed=args.seed, log_freq=args.log_freq,
+        num_steps_per_checkpoint=args.num_steps_per_checkpoint, skip_checkpoint=args.skip_checkpoint,
+        resume=args.resume_from_checkpoint,
+        torch_compile=(args.torch_compile_backend, args.torch_compile_mode) if args.enable_torch_compile else None)
+    return Session(ds_config=ds_config, device=device, rank=rank, world=world, logger=logger, say=say,
+                   output_dir=Path(args.output_dir), progress_bar=rank == 0 and not args.disable_progress_bar,
+                   training=training)
 
 
 def build_model(make_model, config: BertConfig, weights: dict | None, say):
@@ -311,42 +339,42 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     # start-up, so it happens before the training clock starts (transformers' Trainer imports it before train()).
     importlib.import_module("torch._dynamo")
     started = time.perf_counter()
-    args, ds_config = session.args, session.ds_config
+    flags, ds_config = session.training, session.ds_config
     plan = Plan(ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"],
                 session.world, len(next(iter(features.values()))))
     if plan.steps_per_epoch == 0:
         raise InputError(f"{plan.num_examples} training examples, fewer than one global batch ({plan.global_batch})")
-    total_steps = plan.total_steps(args.max_steps, args.num_train_epochs)
+    total_steps = plan.total_steps(flags.max_steps, flags.num_train_epochs)
     # The fused kernel, as transformers' Trainer uses: on the CPU the default is a per-tensor loop, and the step
     # took most of a fine-tuning step's time (docs/results.md, bench_glue). Gaudi has its own fused optimizers.
     fused = session.device.type in ("cpu", "cuda")
-    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=args.learning_rate, eps=1e-6, fused=fused)
-    scheduler = LinearWarmUpScheduler(optimizer, warmup=args.warmup_proportion, total_steps=total_steps)
+    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=flags.learning_rate, eps=1e-6, fused=fused)
+    scheduler = LinearWarmUpScheduler(optimizer, warmup=flags.warmup_proportion, total_steps=total_steps)
     engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
-    if args.enable_torch_compile:
-        runtime.compile_model(engine, args.torch_compile_backend, args.torch_compile_mode)
-    step = resume(session, engine, model.config) if args.resume_from_checkpoint else 0
+    if flags.torch_compile is not None:
+        runtime.compile_model(engine, *flags.torch_compile)
+    step = resume(session, engine, model.config) if flags.resume else 0
     session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                 + (f", resumed at step {step}" if step else ""))
-    progress = make_progress_bar(not args.disable_progress_bar and session.rank == 0, total_steps, step)
+    progress = make_progress_bar(session.progress_bar, total_steps, step)
     first_step, losses, stopped = step, [], False
     with runtime.stop_requests() as stop_event:
         while step < total_steps and not stopped:
             step_started = time.perf_counter()
             loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
-            if args.enable_torch_compile and step == first_step:
+            if flags.torch_compile is not None and step == first_step:
                 runtime.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
             step += 1
             losses.append(loss)
             progress.update(1)
-            if step % args.log_freq == 0 or step == total_steps:
+            if step % flags.log_freq == 0 or step == total_steps:
                 session.logger.log(step=(step * plan.global_batch // plan.num_examples, step),
                                    data={"step_loss": loss, "learning_rate": optimizer.param_groups[0]["lr"]})
-            if stopped or (args.num_steps_per_checkpoint and step % args.num_steps_per_checkpoint == 0):
+            if stopped or (flags.num_steps_per_checkpoint and step % flags.num_steps_per_checkpoint == 0):
                 save(session, engine, step)
     progress.close()
     train_time = time.perf_counter() - started
-    if not args.skip_checkpoint and not stopped and step > first_step:
+    if not flags.skip_checkpoint and not stopped and step > first_step:
         save(session, engine, step)
     if stopped:
         session.say(f"stop requested (SIGTERM/SIGINT): checkpoint {step} saved; --resume_from_checkpoint continues")
@@ -361,7 +389,7 @@ def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, st
     engine.train()
     losses = []
     for micro in range(plan.gas):
-        rows = plan.micro_batch_indices(step, micro, session.rank, session.args.seed)
+        rows = plan.micro_batch_indices(step, micro, session.rank, session.training.seed)
         loss = loss_fn(engine, to_device(features, rows, session.device))
         engine.backward(loss)
         engine.step()
@@ -388,13 +416,13 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 def save(session: Session, engine, step: int) -> None:
     """Collective. The optimizer, scheduler and RNG states come along, so a resume continues exactly."""
     client_state = {"global_step": step, "model_config": engine.module.config.to_dict()}
-    checkpointing.save_checkpoint(engine, checkpoint_dir(session.args.output_dir), str(step), client_state,
+    checkpointing.save_checkpoint(engine, checkpoint_dir(session.output_dir), str(step), client_state,
                                   {"rng": checkpointing.capture_rng_state()})
-    session.say(f"saved checkpoint {step} in {checkpoint_dir(session.args.output_dir)}")
+    session.say(f"saved checkpoint {step} in {checkpoint_dir(session.output_dir)}")
 
 
 def resume(session: Session, engine, config: BertConfig) -> int:
-    directory = checkpoint_dir(session.args.output_dir)
+    directory = checkpoint_dir(session.output_dir)
     tag = checkpointing.find_resume_tag(directory, model_config=config.to_dict())
     if tag is None:
         session.say(f"no checkpoint in {directory}: starting from step 0")
@@ -435,7 +463,7 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
     mine = []
     starts = range(session.rank * batch_size, num_examples, session.world * batch_size)
     from tqdm import tqdm
-    for start in tqdm(starts, desc="predicting", disable=session.args.disable_progress_bar or session.rank != 0):
+    for start in tqdm(starts, desc="predicting", disable=not session.progress_bar):
         rows = torch.arange(start, min(start + batch_size, num_examples))
         outputs = forward_fn(model, to_device(features, rows, session.device))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)

@@ -156,7 +156,7 @@ def test_with_shuffled_labels_the_same_run_stays_at_chance(tmp_path, pretrained_
 
 # ============================================================================ stop and resume
 
-def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, capsys):
     data = write_sst2_rule_task(tmp_path / "data", 96, 32)
     common = dict(config_file=TINY_CONFIG, max_steps=6, do_eval=False, max_seq_length=32)
     run_glue.main(glue_argv(data, tmp_path / "straight", **common))
@@ -174,8 +174,11 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
     stopped = run_glue.main(glue_argv(data, tmp_path / "resumed", **common), make_loss=loss_function_with_sigterm)
     assert stopped["stopped_by_signal"] and stopped["global_step"] == 3
     assert checkpointing.find_resume_tag(tmp_path / "resumed" / "checkpoints") == "3"
+    capsys.readouterr()
     resumed = run_glue.main(glue_argv(data, tmp_path / "resumed", resume_from_checkpoint=True, **common))
     assert resumed["global_step"] == 6 and not resumed["stopped_by_signal"]
+    # It continued from step 3: a run started again from step 0 would end with the same weights too.
+    assert "6 steps, resumed at step 3" in capsys.readouterr().out
     straight = checkpointing.consolidated_state_dict(tmp_path / "straight" / "checkpoints")
     after_resume = checkpointing.consolidated_state_dict(tmp_path / "resumed" / "checkpoints")
     for key, value in straight.items():
