@@ -702,6 +702,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
               copies: checkpointing.CheckpointUploader | None, *, clock: Callable[[], float],
               criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple]) -> dict:
+    """main after validation: the one place that reads the flags for the run (device, logger, engine, resume,
+    Run) and hands the functions below their values."""
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
                                                   args.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -818,6 +820,7 @@ def nothing_to_train(tag: str, max_steps: int, state: TrainState, logger: "dllog
 
 
 def log_parameters(logger: "dllogger.Logger", args, ds_config: dict) -> None:
+    """The reference's PARAMETER record: "Config" is the whole namespace, as text."""
     logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "train_start": True,
                                        "batch_size_per_pu": ds_config["train_micro_batch_size_per_gpu"],
                                        "learning_rate": args.learning_rate, "deepspeed_config": ds_config})
