@@ -12,6 +12,7 @@ SIGKILLs the process at the n-th <event> (see KILL_EVENTS; "hold" instead stops 
 outside), then runs the driver unchanged.
 """
 
+import contextlib
 import errno
 import faulthandler
 import json
@@ -166,17 +167,40 @@ def start(argv, world, kill=None, **popen_kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen_kwargs)
 
 
+def ranks_of(process: subprocess.Popen) -> list:
+    """The ranks of a driver started by start(), by RANK: the processes `python [-u] <this file> ...` (the
+    launchers are `deepspeed ...` and `python -u -m deepspeed.launcher.launch ...`)."""
+    ranks = []
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return ranks
+    for candidate in tree:
+        try:
+            if str(THIS_FILE) in candidate.cmdline()[1:3]:
+                ranks.append((int(candidate.environ().get("RANK", "0")), candidate))
+        except psutil.Error:  # ended meanwhile
+            pass
+    return sorted(ranks, key=lambda pair: pair[0])
+
+
 def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # A hang is rare and unreadable after the fact: every rank first prints its threads' stacks (the
-        # wrapper below registers SIGUSR1; the launcher processes, which do not, just end on it).
-        os.killpg(process.pid, signal.SIGUSR1)
-        time.sleep(3)
+        # A hang is rare and unreadable after the fact: each rank first prints its threads' stacks (the
+        # wrapper below registers SIGUSR1 for faulthandler), one rank after the other: dumps written at the
+        # same time into the shared pipe interleave character by character.
+        ranks = ranks_of(process)
+        for _, rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.send_signal(signal.SIGUSR1)
+            time.sleep(2)
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"driver did not finish within {timeout} s:\n{output[-12000:]}")
+        order = ", ".join(f"rank {number} (pid {rank.pid})" for number, rank in ranks)
+        pytest.fail(f"driver did not finish within {timeout} s; the thread stacks at the end are those of "
+                    f"{order or 'no rank found'}, in this order:\n{output[-16000:]}")
     return process.returncode, output
 
 
@@ -508,6 +532,36 @@ def test_disk_full_on_one_rank_stops_every_rank_cleanly(tmp_path, shards):
     assert (out / "latest").read_text() == "4" and not (out / "8").exists()
     assert {p.name: p.read_bytes() for p in (out / "4").iterdir()} == before
     assert not [p for p in out.rglob("*") if ".tmp." in p.name]
+
+
+# The lines of faulthandler's dumps: a thread's header, a frame, or the empty line between threads.
+STACK_LINE = re.compile(r'(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$'
+                        r'|  File ".*", line \d+ in \S+$|$')
+
+
+@pytest.mark.slow
+def test_a_hung_run_shows_each_rank_stacks_whole(tmp_path, shards):
+    """finish() on a two-rank run that does not end (both ranks hold before their first backward): the failure
+    shows every rank's thread stacks, whole and one rank after the other (both dumps written at once into
+    the shared pipe interleave character by character), in the order it names."""
+    config = ds_config(tmp_path, 1, True, 2)
+    process = start(driver_args(shards, tmp_path / "out", config, tmp_path / "a.json", 4), 2, kill="hold:1")
+    held = 0
+    for line in process.stdout:
+        held += line.startswith(HOLD_LINE)
+        if held == 2:
+            break
+    with pytest.raises(pytest.fail.Exception) as failure:
+        finish(process, timeout=1)
+    message = str(failure.value)
+    assert re.search(r"those of rank 0 \(pid \d+\), rank 1 \(pid \d+\), in this order", message), message[:500]
+    dumps = message[message.index("Thread 0x"):].splitlines()
+    assert [line for line in dumps if not STACK_LINE.match(line)] == [], message[-4000:]
+    main_threads = [i for i, line in enumerate(dumps) if line.startswith("Current thread")]
+    assert len(main_threads) == 2, message[-4000:]
+    for start_line in main_threads:  # each main thread is holding in train_step (the wrapper of backward)
+        frames = dumps[start_line + 1:start_line + 4]
+        assert "in wrapper" in frames[0] and "in train_step" in frames[1], message[-4000:]
 
 
 if __name__ == "__main__":
