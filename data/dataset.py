@@ -18,9 +18,9 @@ the same I/O the reference spends by visiting each file W times per epoch. A bac
 prepares the next micro-batches while the current one trains.
 
 Where shards live. The reader asks a shard-files object for each shard's local path just before it
-reads rows of it, and names the next shard in layout order once a window is loaded. LocalShardFiles
-(below) is a plain directory; the driver may pass another object with the same methods instead
-(storage.ShardCache: S3, downloaded into a bounded local cache, next shard prefetched).
+reads rows of it, releases it once the window's rows are in memory, and names the next shard in layout
+order. LocalShardFiles (below) is a plain directory; the driver may pass another object with the same
+methods instead (storage.ShardCache: S3, downloaded into a bounded local cache, next shard prefetched).
 
 Batches are tuples of int64 tensors in the reference's order: input_ids, segment_ids, input_mask,
 masked_lm_labels (-1 except at masked positions), next_sentence_labels.
