@@ -8,7 +8,7 @@ FAKE_HABANA_LOG names a file, one line per use there, for tests that run a subpr
 - `habana_frameworks.torch.utils.internal.is_lazy()`: PT_HPU_LAZY_MODE == "1", as the bridge decides it
   from that variable at import (unset: "1" here; the real default depends on the release, lazy up to
   the 1.1x releases and eager/compile in recent ones; the launchers always set it).
-- torch.compile's backend `hpu_backend`, registered when habana_frameworks.torch is imported: "hpu_backend"
+- torch.compile's backend `hpu_backend` (an entry point of the `torch_dynamo_backends` group): "hpu_backend"
   for each graph it is given, which it runs as it is (the real one compiles it for the device);
 - `habana_frameworks.torch.hpu.device_count()` / `is_available()`: STUB_HPU_COUNT (8) devices, for the
   launchers' device check.
