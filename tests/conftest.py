@@ -117,6 +117,19 @@ def test_hosts(tmp_path_factory):
         yield hosts
 
 
+@pytest.fixture
+def every_cpu_thread():
+    """torch uses every CPU for this test (the suite runs with OMP_NUM_THREADS=1): for the long single-process
+    fine-tuning checks, which take about a quarter less time on 2 cores than on 1 (docs/results.md)."""
+    import os
+
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def no_habana_bridge_left_behind():
     """The stand-in Habana bridge (tests/fake_habana) must not outlive the test that imported it: the driver

@@ -134,6 +134,7 @@ def fine_tune(tmp_path, checkpoint, shuffle_train_labels=False):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("every_cpu_thread")
 def test_fine_tuning_the_pretrained_checkpoint_learns_the_rule(tmp_path, pretrained_tiny_checkpoint):
     """Label 1 when a real sentence has the word "her": the classifier, its loss, the pretrained weights
     (ZeRO-1 checkpoint, consolidated) and the evaluation are wired right only if dev accuracy is high."""
@@ -148,6 +149,7 @@ def test_fine_tuning_the_pretrained_checkpoint_learns_the_rule(tmp_path, pretrai
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("every_cpu_thread")
 def test_with_shuffled_labels_the_same_run_stays_at_chance(tmp_path, pretrained_tiny_checkpoint):
     """Negative control: the same sentences with their training labels permuted teach nothing."""
     _, accuracy = fine_tune(tmp_path, pretrained_tiny_checkpoint, shuffle_train_labels=True)

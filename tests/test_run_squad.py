@@ -199,12 +199,14 @@ def learning_run(tmp_path, checkpoint, config, shuffled):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("every_cpu_thread")
 def test_fine_tuning_learns_to_point_at_the_named_word(tmp_path, pretrained_tiny_post_ln):
     summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=False)
     assert summary["exact_match"] >= 80, summary
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("every_cpu_thread")
 def test_with_shuffled_answers_the_same_run_stays_low(tmp_path, pretrained_tiny_post_ln):
     summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=True)
     assert summary["exact_match"] < 30, summary
