@@ -7,7 +7,6 @@ lans.py. A mutant of it (beta weights swapped) must disagree, so the comparison 
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import free_port
 from lans import LANS, TensorSegments
 from optim_helpers import apply_steps, assert_weights_close, make_problem, norm, run_optimizer
 
@@ -259,12 +259,6 @@ DEEPSPEED_SCRIPT = textwrap.dedent("""
         "steps": [g["step"] for g in optimizer.param_groups]}))
     torch.distributed.destroy_process_group()  # not left to the interpreter's exit (gloo could abort there)
 """)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_lans_with_poly_scheduler_under_deepspeed_zero1(tmp_path):
