@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -122,20 +121,20 @@ def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3,
     runner.chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"10.0.0.{i + 1} slots=1\n" for i in range(nodes)) + "10.0.0.9 slots=1\n")
-    args = SimpleNamespace(hostfile=hostfile, num_nodes=nodes, ngpu_per_node=1, master_port=29999,
-                           deepspeed_config=ds_config(tmp_path, total=total), data_dir=tmp_path,
-                           json_summary=tmp_path / "dllogger.json", max_restarts=max_restarts, restart_window_s=3600,
-                           min_hosts=min_hosts, ssh_timeout=5)
-    job = supervisor.Supervisor(args, [str(runner), "--no_python", "prog", "--flag"], tmp_path / "work",
-                                check_hosts=Recorder(checks))
+    settings = supervisor.SupervisorSettings(
+        hostfile=hostfile, num_nodes=nodes, ngpu_per_node=1, master_port=29999,
+        deepspeed_config=ds_config(tmp_path, total=total), data_dir=tmp_path, json_summary=tmp_path / "dllogger.json",
+        max_restarts=max_restarts, restart_window_s=3600, min_hosts=min_hosts, ssh_timeout=5)
+    job = supervisor.Supervisor(settings, [str(runner), "--no_python", "prog", "--flag"], tmp_path / "work",
+                                check_hosts=Recorder(checks),
+                                signal_ranks=lambda hosts, master, port, name: 0)  # the stand-in has no remote ranks
     (tmp_path / "work").mkdir()
-    job.signal_ranks = lambda hosts, master, name: 0  # the stand-in has no ranks on other hosts
     attempts = []
     status = job.run()
     for k in range(len(list(log.glob("args_*")))):
         attempts.append(((log / f"hosts_{k}").read_text().split("\n")[:-1],
                          json.loads((log / f"args_{k}").read_text())))
-    events = [r["data"] for r in helpers.read_dllogger(args.json_summary)] if args.json_summary.exists() else []
+    events = [r["data"] for r in helpers.read_dllogger(settings.json_summary)] if settings.json_summary.exists() else []
     return status, attempts, events
 
 

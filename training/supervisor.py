@@ -142,12 +142,38 @@ def usable_hosts(passing: list, ngpu_per_node: int, ds_config, min_hosts: int) -
     raise SupervisorStop(f"{first_error}, nor on fewer hosts down to --min_hosts {min_hosts}")
 
 
+def signal_ranks(hosts: list, master_addr: str, master_port: int, signal_name: str) -> int:
+    """Send a signal to a job's ranks (found by master address and port) on `hosts`; returns how many were
+    signalled."""
+    result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "signal_ranks.sh"), "--hosts", ",".join(hosts),
+                             master_addr, str(master_port), signal_name], capture_output=True, text=True)
+    return int(result.stdout.strip() or 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorSettings:
+    """What the supervisor follows: the values of its flags (main builds it from the command line)."""
+    hostfile: str | Path          # the job's hosts are its first num_nodes
+    num_nodes: int
+    ngpu_per_node: int            # ranks per host
+    master_port: int              # the rendezvous port on each attempt's first host
+    deepspeed_config: str | Path  # its global batch decides the usable host counts
+    data_dir: str | Path          # checked on every host before a restart
+    json_summary: str | Path      # the job's dllogger stream; restart and stop events are added to it
+    max_restarts: int             # 0: no restart
+    restart_window_s: float
+    min_hosts: int
+    ssh_timeout: float            # seconds each host has to answer the checks
+
+
 class Supervisor:
-    def __init__(self, args, command: list, workdir, check_hosts=problems_by_host):
-        self.args, self.command, self.workdir, self.check_hosts = args, command, Path(workdir), check_hosts
-        self.job_hosts = hosts_for_job(parse_hostfile(args.hostfile), args.num_nodes, args.ngpu_per_node,
-                                       args.hostfile)
-        self.budget = RestartBudget(args.max_restarts, args.restart_window_s)
+    def __init__(self, settings: SupervisorSettings, command: list, workdir, check_hosts=problems_by_host,
+                 signal_ranks=signal_ranks):
+        self.settings, self.command, self.workdir = settings, command, Path(workdir)
+        self.check_hosts, self.signal_ranks = check_hosts, signal_ranks  # seams: the tests give stand-ins
+        self.job_hosts = hosts_for_job(parse_hostfile(settings.hostfile), settings.num_nodes, settings.ngpu_per_node,
+                                       settings.hostfile)
+        self.budget = RestartBudget(settings.max_restarts, settings.restart_window_s)
         self.stop_requests = self.stops_forwarded = 0
 
     def request_stop(self, signum, frame) -> None:
@@ -165,13 +191,14 @@ class Supervisor:
                 refusal = self.budget.refusal(outcome, time.monotonic())
                 if refusal:
                     raise SupervisorStop(refusal)
-                problems = self.check_hosts(self.job_hosts, self.args.data_dir, self.args.ssh_timeout)
+                problems = self.check_hosts(self.job_hosts, self.settings.data_dir, self.settings.ssh_timeout)
                 if self.stop_requests:
                     raise SupervisorStop("a stop was requested (SIGTERM/SIGINT) while the hosts were checked")
                 passing = [host.name for host in self.job_hosts if not problems[host.name]]
-                chosen = usable_hosts(passing, self.args.ngpu_per_node, self.args.deepspeed_config, self.args.min_hosts)
+                chosen = usable_hosts(passing, self.settings.ngpu_per_node, self.settings.deepspeed_config,
+                                      self.settings.min_hosts)
             except SupervisorStop as stop:
-                if self.args.max_restarts:
+                if self.settings.max_restarts:
                     self.stop_line(stop, outcome)
                 return outcome.status
             restarts += 1
@@ -181,9 +208,9 @@ class Supervisor:
 
     def run_attempt(self, hosts: list, attempt: int, checkpoint) -> Outcome:
         hostfile = self.workdir / f"hostfile_{attempt}"
-        hostfile.write_text("".join(f"{name} slots={self.args.ngpu_per_node}\n" for name in hosts))
+        hostfile.write_text("".join(f"{name} slots={self.settings.ngpu_per_node}\n" for name in hosts))
         command = [self.command[0], "--num_nodes", str(len(hosts)), "--hostfile", str(hostfile), "--master_addr",
-                   hosts[0], "--master_port", str(self.args.master_port), *self.command[1:]]
+                   hosts[0], "--master_port", str(self.settings.master_port), *self.command[1:]]
         print(" ".join(command), flush=True)
         # A session of its own: a Ctrl-C at the terminal reaches the supervisor only, which stops the ranks.
         runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -195,7 +222,7 @@ class Supervisor:
         while runner.poll() is None:
             if self.stop_requests > self.stops_forwarded:
                 self.stops_forwarded = self.stop_requests
-                if self.signal_ranks(hosts, hosts[0], "TERM") == 0:
+                if self.signal_ranks(hosts, hosts[0], self.settings.master_port, "TERM") == 0:
                     runner.send_signal(signal.SIGTERM)  # start-up, no rank yet: the runner stops its pdsh
             elif (not ended and not self.stop_requests and watcher.reason_seen_at is not None
                   and time.monotonic() - watcher.reason_seen_at > EXIT_GRACE_S):
@@ -208,17 +235,10 @@ class Supervisor:
         return Outcome(runner.returncode, watcher.reason, watcher.checkpoint)
 
     # ---------------------------------------------------------------- hosts
-    def signal_ranks(self, hosts: list, master_addr: str, signal_name: str) -> int:
-        """Send a signal to this job's ranks (found by master address and port) on `hosts`; returns how
-        many were signalled."""
-        result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "signal_ranks.sh"), "--hosts", ",".join(hosts),
-                                 master_addr, str(self.args.master_port), signal_name], capture_output=True, text=True)
-        return int(result.stdout.strip() or 0)
-
     def end_leftovers(self, hosts: list, previous_master: str) -> None:
         """Ranks of the last attempt still alive on the hosts of the next (a host back from a network cut
         keeps its ranks until their collectives time out) would hold memory and devices: SIGKILL them."""
-        self.signal_ranks(hosts, previous_master, "KILL")
+        self.signal_ranks(hosts, previous_master, self.settings.master_port, "KILL")
 
     # ---------------------------------------------------------------- reports
     def restart_line(self, restarts: int, outcome: Outcome, previous: list, chosen: list, problems: dict) -> None:
@@ -228,7 +248,7 @@ class Supervisor:
                     for name in left}
         reason = outcome.reason or f"the job exited with status {outcome.status}"
         print(f"supervisor: restart {restarts} "
-              f"(at most {self.args.max_restarts} within {self.args.restart_window_s:g} s) "
+              f"(at most {self.settings.max_restarts} within {self.settings.restart_window_s:g} s) "
               f"at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC after: {reason}; "
               f"resuming from {resume_point(outcome)} on "
               f"{len(chosen)} host(s) {','.join(chosen)}; left out: "
@@ -248,7 +268,7 @@ class Supervisor:
     def log_event(self, data: dict) -> None:
         """One record in the job's dllogger stream (no rank writes it between two attempts)."""
         logger = dllogger.Logger(backends=[dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE,
-                                                                      str(self.args.json_summary), append=True)])
+                                                                      str(self.settings.json_summary), append=True)])
         logger.log(step="SUPERVISOR", data=data)
         logger.flush()
 
@@ -290,9 +310,14 @@ def parse_arguments(argv: list):
 
 def main(argv=None) -> int:
     args, command = parse_arguments(sys.argv[1:] if argv is None else argv)
+    settings = SupervisorSettings(
+        hostfile=args.hostfile, num_nodes=args.num_nodes, ngpu_per_node=args.ngpu_per_node,
+        master_port=args.master_port, deepspeed_config=args.deepspeed_config, data_dir=args.data_dir,
+        json_summary=args.json_summary, max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
+        min_hosts=args.min_hosts, ssh_timeout=args.ssh_timeout)
     with tempfile.TemporaryDirectory(prefix="supervisor_") as workdir:  # the attempts' hostfiles
         try:
-            supervisor = Supervisor(args, command, workdir)
+            supervisor = Supervisor(settings, command, workdir)
         except InputError as err:  # the hostfile's PreflightError, the DeepSpeed JSON's DeepSpeedConfigError
             print(f"error: supervisor: {err}", file=sys.stderr)
             return 1
