@@ -106,6 +106,10 @@ class TestHosts:
         self.directory = Path(directory)
         self.count = count
         self.prefix = f"hl{os.getpid()}"  # unique per test session: two sessions never share namespaces
+        # The hosts share the machine's process table, and scripts/signal_ranks.sh finds a job's ranks by the
+        # master address and port of their launcher: with one port for every session, the SIGTERM test of one
+        # pytest-xdist worker and the supervisor's KILL of leftover ranks in another hit each other's jobs.
+        self.master_port = 20000 + os.getpid() % 40000
         self.switch = f"{self.prefix}sw"
         self.namespaces = [f"{self.prefix}h{i + 1}" for i in range(count)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(count)]

@@ -47,7 +47,8 @@ def launcher_env(hosts, job, results, nodes=2, ranks_per_node=1, **overrides):
     env = helpers.launcher_env(HOME=str(job["home"]), HL_HOSTSFILE=str(job["hostfile"]), HL_NUM_NODES=str(nodes),
                                HL_NGPU_PER_NODE=str(ranks_per_node), HL_DEVICE="cpu", HL_DATA_DIR=str(job["data"]),
                                HL_MODEL_CONFIG=str(helpers.TINY_MODEL_CONFIG), HL_DS_CONFIG=str(job["ds_config"]),
-                               HL_RESULTS_DIR=str(results), HL_LOG_FREQ="1", **overrides)
+                               HL_RESULTS_DIR=str(results), HL_LOG_FREQ="1", HL_MASTER_PORT=str(hosts.master_port),
+                               **overrides)
     return hosts.env(env)
 
 
@@ -81,7 +82,7 @@ def test_two_hosts_through_the_32x_launcher_equal_one_host_and_resume(test_hosts
     the same command continues it to step 6."""
     one_host = job["root"] / "one_host"
     run_launcher(test_hosts, launcher_env(test_hosts, job, one_host, nodes=1, ranks_per_node=2, HL_MAX_STEPS="6"),
-                 host=2)  # a host of its own: the single-node launch uses the default port 29500
+                 host=2)  # a host of its own: the single-node launch uses the same master port
     expected = losses(one_host / "dllogger.json")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
