@@ -50,7 +50,7 @@ def test_deepspeeds_gather_shows_no_deprecation_line_and_other_warnings_still_sh
               "torch.distributed.all_gather_into_tensor(out, torch.ones(2))  # as DeepSpeed's comm falls through to\n"
               "warnings.warn('another deprecation', FutureWarning)\n"
               "print(out.tolist())\n"
-              "torch.distributed.destroy_process_group()\n")  # not left to the interpreter's exit (gloo can abort there)
+              "torch.distributed.destroy_process_group()\n")  # not left to the exit, where gloo can abort
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
