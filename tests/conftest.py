@@ -17,7 +17,9 @@ def pytest_collection_modifyitems(items):
     demo and the fault injection, one long test each, started last): the long files start first, and the
     many short ones fill the end, so neither worker idles while the other runs a long file."""
     slow_tests = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
-    first_seen = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(item.path, index)
     items.sort(key=lambda item: (-slow_tests[item.path], first_seen[item.path]))
 
 
