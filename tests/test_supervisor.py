@@ -113,7 +113,10 @@ class Recorder:
         return problems
 
 
-def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3, total=24):
+def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3, total=24, signalled=None):
+    """Runs the supervisor over the stand-in runner; `signalled`, a list, receives the arguments of each
+    signal_ranks call (the stand-in has no remote ranks to signal)."""
+    signalled = [] if signalled is None else signalled
     log = tmp_path / "log"
     log.mkdir(parents=True)
     runner = tmp_path / "deepspeed_stub.py"
@@ -127,7 +130,7 @@ def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3,
         max_restarts=max_restarts, restart_window_s=3600, min_hosts=min_hosts, ssh_timeout=5)
     job = supervisor.Supervisor(settings, [str(runner), "--no_python", "prog", "--flag"], tmp_path / "work",
                                 check_hosts=Recorder(checks),
-                                signal_ranks=lambda hosts, master, port, name: 0)  # the stand-in has no remote ranks
+                                signal_ranks=lambda *call: signalled.append(call) or 0)
     (tmp_path / "work").mkdir()
     attempts = []
     status = job.run()
@@ -139,10 +142,11 @@ def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3,
 
 
 def test_a_lost_host_is_left_out_then_taken_back(tmp_path, capsys):
+    signalled = []
     status, attempts, events = run_supervisor(tmp_path, ["fail", "fail", "ok"], [
         {"10.0.0.2": ["host 10.0.0.2: ssh failed: Connection refused"]},  # after attempt 0
         {"10.0.0.3": ["host 10.0.0.3: no answer over ssh within 5 s"]},  # after attempt 1: 2 is back
-    ])
+    ], signalled=signalled)
     assert status == 0
     assert [hosts for hosts, _ in attempts] == [
         ["10.0.0.1 slots=1", "10.0.0.2 slots=1", "10.0.0.3 slots=1"],  # the job's hosts: not the spare 10.0.0.9
@@ -151,6 +155,10 @@ def test_a_lost_host_is_left_out_then_taken_back(tmp_path, capsys):
     assert args[:8] == ["--num_nodes", "2", "--hostfile", args[3], "--master_addr", "10.0.0.1",
                         "--master_port", "29999"]
     assert args[8:] == ["--no_python", "prog", "--flag"]
+    # Before each restart, leftover ranks on the next attempt's hosts are killed: found by the last attempt's
+    # master address and the job's own port (scripts/signal_ranks.sh), not another job's.
+    assert signalled == [(["10.0.0.1", "10.0.0.3"], "10.0.0.1", 29999, "KILL"),
+                         (["10.0.0.1", "10.0.0.2"], "10.0.0.1", 29999, "KILL")]
     out = capsys.readouterr().out
     restarts = [line for line in out.splitlines() if line.startswith("supervisor: restart")]
     assert len(restarts) == 2
