@@ -3,11 +3,30 @@
 
 import collections
 import itertools
+import os
+import signal
 import sys
 
 import pytest
 
 import helpers
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI job's timeout, `kill`) ends the session as Ctrl-C does, so that the session fixtures
+    still tear down: by default it kills pytest at once and leaves the test hosts' namespaces and sshd
+    processes and the S3 server running. Each pytest-xdist worker installs it too (the workers own the
+    fixtures)."""
+    session_pid = os.getpid()
+
+    def interrupt(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM, e.g. during a hung teardown, kills
+        if os.getpid() != session_pid:  # a forked child (multiprocessing) that inherited the handler
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_collection_modifyitems(items):

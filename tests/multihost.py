@@ -14,7 +14,7 @@ hosts). Putting that directory first on PATH stands in for a user's ~/.ssh/confi
 calls `ssh`: DeepSpeed's reachability check, pdsh's ssh module, the preflight.
 
 Teardown ends every process that runs inside the namespaces (by pid: `ip netns pids`) and deletes the
-namespaces; it runs even when setup or a test fails.
+namespaces; it runs even when setup or a test fails, and after SIGTERM (tests/conftest.py).
 """
 
 import os
@@ -89,7 +89,7 @@ def run(command, **kwargs):
 
 def remove_leftovers():
     """Delete the empty namespaces of earlier test sessions whose process is gone (a session killed
-    before its teardown, e.g. by a timeout, leaves them behind)."""
+    before its teardown, e.g. by SIGKILL, leaves them behind)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
         match = re.fullmatch(r"hl(\d+)(?:h\d+|sw)", name)
