@@ -36,8 +36,7 @@ def test_sigterm_to_the_session_still_tears_down_session_fixtures(tmp_path, work
     """A CI timeout signals the whole process group (pytest and its xdist workers): the session must end as
     after Ctrl-C, with exit status 2 and its session fixtures torn down."""
     (tmp_path / "test_waiting.py").write_text(WAITING_TEST)
-    env = {**helpers.checkout_env(), "PYTHONPATH": os.pathsep.join([str(helpers.REPO_ROOT / "tests"),
-                                                                    str(helpers.REPO_ROOT)])}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(helpers.REPO_ROOT / "tests"), str(helpers.REPO_ROOT)]))
     # `-p conftest` loads tests/conftest.py as a plugin into a session rooted in tmp_path
     session = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                                 "--numprocesses", workers, "test_waiting.py"],
