@@ -37,17 +37,19 @@ def get_parameter_groups(model, weight_decay=0.01):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(name, param_groups, lr, betas=None, adjust_step=False):
+def build_optimizer(name, param_groups, lr, betas=None, adjust_step=False, compile_update=False):
     """Optimizer ``name`` (one of OPTIMIZERS) over ``param_groups`` with base LR ``lr``.
 
     ``betas=None`` keeps each optimizer's default (0.9, 0.999). ``adjust_step`` only concerns
-    LANS/NVLAMB (see lans.bias_corrections). Unknown name -> ValueError naming the choices.
+    LANS/NVLAMB (see lans.bias_corrections), ``compile_update`` only LANS (see lans.LANS).
+    Unknown name -> ValueError naming the choices.
     """
     kwargs = {"lr": lr}
     if betas is not None:
         kwargs["betas"] = tuple(betas)
     if name == "lans":
-        return LANS(param_groups, eps=1e-6, max_grad_norm=0.0, adjust_step=adjust_step, **kwargs)
+        return LANS(param_groups, eps=1e-6, max_grad_norm=0.0, adjust_step=adjust_step,
+                    compile_update=compile_update, **kwargs)
     if name == "nvlamb":
         return NVLAMB(param_groups, adjust_step=adjust_step, **kwargs)
     if name == "adam":

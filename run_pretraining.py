@@ -314,13 +314,16 @@ def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: 
                  torch_compile: tuple[str, str] | None) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
     """The client optimizer (--optimizer; None: the DeepSpeed JSON's) and LR schedule, then
     runtime.initialize_engine. lr_schedule: PolyWarmUpScheduler's keyword arguments (--use_lr_scheduler), or
-    None. lans_blocks: --lans_blocks. torch_compile: (backend, mode) with --enable_torch_compile, else None."""
+    None. lans_blocks: --lans_blocks. torch_compile: (backend, mode) with --enable_torch_compile, else None.
+    With inductor, compile mode compiles LANS's update too (lans.LANS, compile_update)."""
     groups = get_parameter_groups(model)
     optimizer = scheduler = None
+    backend = runtime.compile_backend(torch_compile[0]) if torch_compile is not None else None
     if optimizer_name:
         try:
             # adjust_step=False: no zero-gradient step ever reaches the optimizer (see optimizer_step_suppressed).
-            optimizer = build_optimizer(optimizer_name, groups, learning_rate, betas=betas, adjust_step=False)
+            optimizer = build_optimizer(optimizer_name, groups, learning_rate, betas=betas, adjust_step=False,
+                                        compile_update=backend == "inductor")
             if lr_schedule is not None:
                 scheduler = PolyWarmUpScheduler(optimizer, **lr_schedule)
         except ValueError as err:  # an impossible LR, betas or schedule
@@ -329,7 +332,7 @@ def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: 
     if optimizer_name == "lans" and lans_blocks == "tensor":
         zero_partitions.use_tensor_blocks(engine.optimizer, optimizer)
     if torch_compile is not None:
-        runtime.compile_model(engine, *torch_compile)
+        runtime.compile_model(engine, backend, torch_compile[1])
     return engine, optimizer
 
 

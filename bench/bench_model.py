@@ -13,8 +13,9 @@ Modes:
 - fp32: everything in float32.
 - bf16 autocast: both under torch.autocast(bfloat16) with float32 weights (the standard mixed-precision setup).
 
-`--compile` adds a third contender: our model compiled as `--enable_torch_compile` compiles it (inductor, in
-place, dropout from torch's generator), same weights and optimizer; its compilation falls in the warm-up steps.
+`--compile` adds a third contender: our model and LANS's update compiled as `--enable_torch_compile` compiles
+them (inductor, the module in place, dropout from torch's generator; `compile_update=True`), same weights;
+its compilation falls in the warm-up steps.
 
     python bench/bench_model.py                           # the three shapes of issue 11, fp32 and bf16 autocast
     python bench/bench_model.py --shape 1.5b --modes bf16 --profile    # plus a torch.profiler table per model
@@ -183,7 +184,8 @@ def run_shape(name, config, batch_size, args):
         compiled_model.load_state_dict(ours_model.state_dict())
         compiled_model.compile(backend="inductor")
         contenders.append(Contender("compiled", compiled_model, ours_loss,
-                                    build_optimizer("lans", get_parameter_groups(compiled_model), LEARNING_RATE)))
+                                    build_optimizer("lans", get_parameter_groups(compiled_model), LEARNING_RATE,
+                                                    compile_update=True)))
     batch = make_batch(config, batch_size, args.seq_len, args.max_pred)
     print(f"\n{name}: hidden {config.hidden_size}, layers {config.num_hidden_layers}, heads "
           f"{config.num_attention_heads}, intermediate {config.intermediate_size}, vocab "

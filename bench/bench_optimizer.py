@@ -1,5 +1,6 @@
-"""Time the optimizer step alone: LANS (this repository's lans.py) against torch.optim.AdamW, or against
-another version of lans.py (--baseline_lans FILE), on the parameters of bench_model.py's shapes.
+"""Time the optimizer step alone: LANS (this repository's lans.py) against torch.optim.AdamW, against
+another version of lans.py (--baseline_lans FILE), or compiled against eager (--compile_update), on the
+parameters of bench_model.py's shapes.
 
 Same parameters, same random gradients, steps alternating between the two; prints the median ms per step,
 the ratio and the largest weight difference to the baseline at the end (useful against another lans.py).
@@ -7,6 +8,9 @@ the ratio and the largest weight difference to the baseline at the end (useful a
     python bench/bench_optimizer.py                     # LANS vs AdamW at the three shapes
     git show 09ba398:lans.py > /tmp/lans_before.py
     python bench/bench_optimizer.py --baseline_lans /tmp/lans_before.py
+    python bench/bench_optimizer.py --compile_update     # LANS(compile_update=True) vs eager LANS
+
+With --compile_update the warm-up steps include the compilation (inductor), outside the timed steps.
 """
 
 import argparse
@@ -26,6 +30,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable (default: all three)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--baseline_lans", help="a lans.py file to compare with, instead of torch's AdamW")
+    parser.add_argument("--compile_update", action="store_true",
+                        help="time LANS(compile_update=True) against eager LANS, instead of LANS against AdamW")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -35,6 +41,8 @@ def parse_arguments(argv=None):
 
 
 def baseline_optimizer(args, model):
+    if args.compile_update:
+        return "eager LANS", build_optimizer("lans", get_parameter_groups(model), 1e-3)
     if not args.baseline_lans:
         return "AdamW", torch.optim.AdamW(model.parameters(), lr=1e-3)
     spec = importlib.util.spec_from_file_location("baseline_lans", args.baseline_lans)
@@ -50,7 +58,8 @@ def run_shape(name, config, args):
     generator = torch.Generator().manual_seed(1)
     grads = [torch.randn(p.shape, generator=generator) * 1e-3 for p in ours.parameters()]
     baseline_name, baseline = baseline_optimizer(args, theirs)
-    contenders = [(ours, build_optimizer("lans", get_parameter_groups(ours), 1e-3)), (theirs, baseline)]
+    ours_optimizer = build_optimizer("lans", get_parameter_groups(ours), 1e-3, compile_update=args.compile_update)
+    contenders = [(ours, ours_optimizer), (theirs, baseline)]
     times = [[], []]
     for index in range(args.warmup + args.steps):
         for (model, optimizer), record in zip(contenders, times):
@@ -62,8 +71,9 @@ def run_shape(name, config, args):
                 record.append((time.perf_counter() - start) * 1000.0)
     ours_ms, baseline_ms = map(statistics.median, times)
     difference = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
-    print(f"{name}: {sum(p.numel() for p in ours.parameters()):,} parameters; LANS {ours_ms:.1f} ms, "
-          f"{baseline_name} {baseline_ms:.1f} ms, baseline/LANS {baseline_ms / ours_ms:.2f}; "
+    ours_name = "compiled LANS" if args.compile_update else "LANS"
+    print(f"{name}: {sum(p.numel() for p in ours.parameters()):,} parameters; {ours_name} {ours_ms:.1f} ms, "
+          f"{baseline_name} {baseline_ms:.1f} ms, baseline/{ours_name} {baseline_ms / ours_ms:.2f}; "
           f"max |weight difference| after {args.warmup + args.steps} steps {difference:.2e}")
 
 

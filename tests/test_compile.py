@@ -59,6 +59,22 @@ def test_compiled_training_follows_eager_and_checkpoints_resume_in_either_mode(t
     assert len(first_step) == 1 and first_step[0]["data"]["first_step_time_s"] > 0
 
 
+@pytest.mark.parametrize("torch_compile,compiled_update", [(None, False), ((None, None), True),
+                                                          (("aot_eager", None), False)])
+def test_compile_mode_with_inductor_compiles_the_lans_update(tmp_path, shards, torch_compile, compiled_update):
+    """The driver's LANS runs its update compiled in compile mode when the backend is inductor (the default
+    off Gaudi); the 20-step comparison above then covers it."""
+    from training import runtime
+    config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4)
+    args = run_pretraining.parse_arguments([str(arg) for arg in helpers.driver_argv(shards, tmp_path / "out", config)])
+    ds_config, model_config, _, _ = run_pretraining.validate_args(args, 1)
+    runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    _, optimizer = run_pretraining.build_engine(
+        run_pretraining.build_model(model_config, None, 0), ds_config, optimizer_name="lans", learning_rate=0.01,
+        betas=None, lr_schedule=None, lans_blocks="tensor", torch_compile=torch_compile)
+    assert optimizer.compile_update is compiled_update
+
+
 @pytest.mark.parametrize("flags,message", [
     ({"torch_compile_mode": "max-autotune"}, "need --enable_torch_compile"),
     ({"enable_torch_compile": True, "torch_compile_mode": "fastest"}, "--torch_compile_mode must be one of"),

@@ -120,6 +120,40 @@ def test_lans_cut_into_small_chunks_matches_float64_reference(monkeypatch, name,
     assert_weights_close(params, lans_reference(groups, grad_steps, LRS, **options))
 
 
+@pytest.fixture
+def compiled_from_scratch():
+    """Compiled sweeps compiled anew for the test, and an error instead of eager mode when torch.compile gives
+    up (the cases of this module specialise more graphs than one training run does)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["defaults", "no_weight_decay", "zero_gradient_tensor", "max_grad_norm",
+                                  "adjust_step", "flat_partition", "zero_weight_no_decay_bias"])
+def test_compiled_update_matches_float64_reference(compiled_from_scratch, name):
+    """compile_update=True: the sweeps run as inductor-compiled code, a whole block per call."""
+    options, problem = dict(CASES[name][0]), CASES[name][1]
+    groups, grad_steps = make_problem(**problem)
+    if options.pop("weight_decay", None) == "zero":
+        groups = [(ws, 0.0) for ws, _ in groups]
+    params, _ = run_lans(groups, grad_steps, LRS, compile_update=True, **options)
+    assert_weights_close(params, lans_reference(groups, grad_steps, LRS, **options))
+    assert compiled_from_scratch["stats"]["unique_graphs"] >= 2  # both sweeps compiled, not run eagerly
+
+
+def test_compiled_update_of_bf16_parameters_with_non_contiguous_gradients(compiled_from_scratch):
+    groups, grad_steps = make_problem(dtype=torch.bfloat16)
+    grad_steps = [[[g.t().contiguous().t() if g.dim() == 2 else g for g in gs] for gs in step] for step in grad_steps]
+    params, _ = run_lans(groups, grad_steps, LRS, compile_update=True)
+    expected = lans_reference(groups, grad_steps, LRS, round_to=torch.bfloat16)
+    for ps, ws in zip(params, expected):
+        for p, w in zip(ps, ws):
+            torch.testing.assert_close(p.detach().double(), w, rtol=2**-7, atol=1e-3)
+
+
 def test_pieces_are_cache_sized_on_the_cpu_only():
     import lans
     assert lans.chunk_elements(torch.device("cpu")) == lans.CHUNK_ELEMENTS
@@ -383,6 +417,19 @@ def run_partitioned_lans(groups, grad_steps, lrs, world, segmented=True, **optio
     return result, reduce.calls // world
 
 
+def check_tensor_segments_over_simulated_partitions(name, world, compile_update=False):
+    options, problem = dict(CASES[name][0]), CASES[name][1]
+    # Uneven sizes: with 2-4 ranks some tensors straddle one or more partition boundaries.
+    groups, grad_steps = make_problem(**problem, shapes=((7, 5), (13,), (3,), (22,)))
+    weights, reduce_calls = run_partitioned_lans(groups, grad_steps, LRS, world, compile_update=compile_update,
+                                                 **options)
+    assert_weights_close([[torch.nn.Parameter(w) for w in ws] for ws in weights],
+                         lans_reference(groups, grad_steps, LRS, **options))
+    # Per group and step: the gradient and weight norms, then the two direction norms; per step one
+    # more for the global clip (here step() sees both groups at once).
+    assert reduce_calls == len(LRS) * (2 * len(groups) + (1 if options.get("max_grad_norm") else 0))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["defaults", "max_grad_norm", "zero_weight_no_decay_bias", "zero_gradient_tensor"])
 @pytest.mark.parametrize("chunk_elements", [3, 1 << 18])
@@ -390,15 +437,14 @@ def test_tensor_segments_over_simulated_partitions_match_per_tensor_reference(mo
                                                                               chunk_elements):
     import lans
     monkeypatch.setattr(lans, "CHUNK_ELEMENTS", chunk_elements)
-    options, problem = dict(CASES[name][0]), CASES[name][1]
-    # Uneven sizes: with 2-4 ranks some tensors straddle one or more partition boundaries.
-    groups, grad_steps = make_problem(**problem, shapes=((7, 5), (13,), (3,), (22,)))
-    weights, reduce_calls = run_partitioned_lans(groups, grad_steps, LRS, world, **options)
-    assert_weights_close([[torch.nn.Parameter(w) for w in ws] for ws in weights],
-                         lans_reference(groups, grad_steps, LRS, **options))
-    # Per group and step: the gradient and weight norms, then the two direction norms; per step one
-    # more for the global clip (here step() sees both groups at once).
-    assert reduce_calls == len(LRS) * (2 * len(groups) + (1 if options.get("max_grad_norm") else 0))
+    check_tensor_segments_over_simulated_partitions(name, world)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_compiled_update_over_simulated_partitions_matches_per_tensor_reference(compiled_from_scratch, world):
+    """Segment blocks (views into a flat partition at any offset, one of a single value) through the compiled
+    sweeps."""
+    check_tensor_segments_over_simulated_partitions("defaults", world, compile_update=True)
 
 
 def test_partition_blocks_differ_from_per_tensor_reference_on_several_ranks():

@@ -4,7 +4,7 @@
   backend and DeepSpeed's CPU traps; `seed_everything` (callers pass seed + global rank);
 - `initialize_engine`: deepspeed.initialize (the JSON is read and checked by common/deepspeed_config.py)
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
-- `add_compile_arguments`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
+- `add_compile_arguments`, `compile_backend`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
 - `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
 - `check_writable_directory`, `check_writable_file`: an unwritable output is an error before any work;
 - `InputError` (common/errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
@@ -257,8 +257,9 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, pa
 def add_compile_arguments(group) -> None:
     """The compile-mode flags, on a parser or argument group (the same in every entry point)."""
     group.add_argument("--enable_torch_compile", action="store_true", help="torch.compile the model (the "
-                       "reference's compile mode; on Gaudi with PT_HPU_LAZY_MODE=0). Checkpoints are the same "
-                       "as in eager mode, so either mode resumes the other's.")
+                       "reference's compile mode; on Gaudi with PT_HPU_LAZY_MODE=0) and, with inductor, "
+                       "run_pretraining.py's LANS update. Checkpoints are the same as in eager mode, so either "
+                       "mode resumes the other's.")
     group.add_argument("--torch_compile_backend", default=None, help="torch.compile backend with "
                        "--enable_torch_compile (default: the DeepSpeed accelerator's: hpu_backend on Gaudi, "
                        "inductor elsewhere).")
@@ -278,11 +279,9 @@ def check_compile_flags(enabled: bool, backend: str | None, mode: str | None) ->
             raise InputError(f"--torch_compile_mode must be one of {', '.join(modes)}, got {mode!r}")
 
 
-def compile_model(engine, backend: str | None, mode: str | None) -> str:
-    """torch.compile the engine's model in place (DeepSpeedEngine.compile calls nn.Module.compile): the
-    module keeps its class and parameter names, so state_dict keys and checkpoints are those of eager mode
-    (no `_orig_mod.` prefix). Compilation itself happens in the first forward and backward. Returns the
-    backend used."""
+def compile_backend(backend: str | None) -> str:
+    """The torch.compile backend of compile mode: --torch_compile_backend, else the DeepSpeed accelerator's;
+    InputError when torch knows no such backend."""
     import torch._dynamo
     from deepspeed.accelerator import get_accelerator
     backend = backend or get_accelerator().get_compile_backend()
@@ -290,6 +289,15 @@ def compile_model(engine, backend: str | None, mode: str | None) -> str:
         torch._dynamo.lookup_backend(backend)
     except Exception as err:  # torch raises InvalidBackend, naming the registered ones
         raise InputError(f"--torch_compile_backend: {one_line(err)}") from err
+    return backend
+
+
+def compile_model(engine, backend: str | None, mode: str | None) -> str:
+    """torch.compile the engine's model in place (DeepSpeedEngine.compile calls nn.Module.compile): the
+    module keeps its class and parameter names, so state_dict keys and checkpoints are those of eager mode
+    (no `_orig_mod.` prefix). Compilation itself happens in the first forward and backward. Returns the
+    backend used."""
+    backend = compile_backend(backend)
     if backend == "inductor":
         # Dropout from torch's own generator, not inductor's: the same masks as eager mode, so losses match
         # and a checkpoint's RNG state resumes the same stream in either mode.
