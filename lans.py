@@ -50,8 +50,9 @@ CPU's cache and no full-size temporary is allocated. The arithmetic is the same 
 On an accelerator the pieces are whole tensors (one Chunk per group): cache-sized pieces there would only
 multiply the kernel launches (``chunk_elements``). Eager, each operation of a sweep is still its own loop
 over the piece; with ``compile_update=True`` torch.compile fuses each sweep into one loop and the sweeps go
-a whole block at a time: one pass over memory per sweep, measured 4.4 times faster at BERT-1.5B widths on a
-2-core CPU (``bench/bench_optimizer.py --compile_update``), at the price of a compilation in the first step.
+a whole block at a time: one pass over memory per sweep, measured 2.5 and 4.4 times faster in two runs at
+BERT-1.5B widths on a 2-core CPU (``bench/bench_optimizer.py --compile_update``), at the price of a
+compilation in the first step.
 Same operations, but the compiled loop may round differently (fused multiply-adds, another summation order).
 
 Precision: the moments and all the arithmetic are float32 for bf16/fp16 parameters (float64 for
