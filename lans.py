@@ -254,13 +254,10 @@ class GroupTensors:
                           for start in range(0, numel, piece_size)]
             else:
                 pieces = [list(tensors)]
-            if size is None:
-                chunks.extend(_make_chunk([(block, piece)]) for piece in pieces)
-                continue
             for piece in pieces:
                 pending.append((block, piece))
                 pending_size += piece[0].numel()
-                if pending_size >= size:
+                if pending_size >= (size or 1):
                     chunks.append(_make_chunk(pending))
                     pending, pending_size = [], 0
         if pending:
@@ -431,16 +428,14 @@ class LANS(AdaptiveMomentOptimizer):
 
     def update_group(self, group, tensors):
         beta1 = group["betas"][0]
-        lr = group["lr"]
+        eps, lr, decay = group["eps"], group["lr"], group["weight_decay"]
         beta3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
         bc1, bc2 = bias_corrections(group["step"], group["betas"], group["bias_correction"],
                                     group["adjust_step"])
-        constants = dict(eps=group["eps"], decay=group["weight_decay"])
 
         # Sweep 1: g_hat = g / (||g|| + eps), or g itself when ||g|| = 0.
         (grad_norms,) = self.block_norms(tensors, tensors.grads)
-        grad_scales = torch.where(grad_norms > 0, 1.0 / (grad_norms + constants["eps"]),
-                                  torch.ones_like(grad_norms)).unbind()
+        grad_scales = torch.where(grad_norms > 0, 1.0 / (grad_norms + eps), torch.ones_like(grad_norms)).unbind()
         if self.compile_update:
             # 0-dim tensors: a Python float that changes every step would recompile the sweeps every step.
             bc1, bc2 = (torch.tensor(bc, dtype=grad_norms.dtype, device=grad_norms.device) for bc in (bc1, bc2))
@@ -449,7 +444,7 @@ class LANS(AdaptiveMomentOptimizer):
         else:
             chunks = tensors.chunks(chunk_elements(grad_norms.device))
             moments_sweep, update_sweep = lans_moments_sweep, lans_update_sweep
-        constants.update(bc1=bc1, bc2=bc2)
+        constants = dict(bc1=bc1, bc2=bc2, eps=eps, decay=decay)
 
         # Sweep 2: the moments, and ||w||^2, ||r||^2, ||c||^2 summed per block (w changes only in sweep 3).
         squares = torch.zeros(3, len(tensors.weights), dtype=grad_norms.dtype, device=grad_norms.device)
