@@ -425,6 +425,27 @@ def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shard
     assert "[run_pretraining]" not in out  # refused while checking the flags: no device, model or step yet
 
 
+@pytest.mark.parametrize("rank, local_rank, printed", [("0", "0", "error: "), ("1", "0", "error: rank 1 on {host}: "),
+                                                      ("9", "1", None)])
+def test_bad_input_is_printed_once_per_host_naming_a_host_other_than_rank_0s(tmp_path, capsys, monkeypatch,
+                                                                              rank, local_rank, printed):
+    """An --input_dir missing on one server alone used to fail its ranks without a word (only rank 0 printed)
+    while rank 0 waited for them: now each server's first local rank says it, naming the server."""
+    import socket
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    missing = tmp_path / "not_on_this_host"
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    assert rp.cli(helpers.driver_argv(missing, tmp_path / "out", ds_config, json_summary=tmp_path / "log.json")) == 1
+    lines = capsys.readouterr().err.splitlines()
+    if printed is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        prefix = printed.format(host=socket.gethostname())
+        assert line.startswith(prefix) and str(missing) in line[len(prefix):], line
+
+
 def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, json_summary=tmp_path / "log.json",

@@ -457,13 +457,18 @@ def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: boo
 
 def run_cli(main, argv, errors: tuple) -> int:
     """main(argv) with one clear error line and exit status 1 for `errors` (plus InputError) instead of a
-    traceback. A bad-input error is the same on every rank: only rank 0 prints it."""
+    traceback. The ranks of one host meet the same bad input: its first local rank prints it, and on another
+    host than rank 0's it names itself (a file missing on that host alone would otherwise fail silently there
+    while rank 0 waits for it)."""
     try:
         main(argv)
         status = 0
     except (InputError, *errors) as err:
-        if not (isinstance(err, InputError) and os.environ.get("RANK", "0") != "0"):
+        rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+        if rank == "0" or not isinstance(err, InputError):
             print(f"error: {err}", file=sys.stderr, flush=True)
+        elif local_rank == "0":
+            print(f"error: rank {rank} on {socket.gethostname()}: {err}", file=sys.stderr, flush=True)
         status = 1
     except (RuntimeError, dist.DistError) as err:
         message = describe_collective_failure(err)
