@@ -5,7 +5,8 @@
 # Every path and count can be overridden from the environment with the reference's HL_* variables:
 #   HL_DATA_DIR_ROOT     root of the HDF5 datasets        (default /data/pytorch/bert/pretraining)
 #   HL_MODEL_CONFIG      model JSON                       HL_DS_CONFIG       DeepSpeed JSON
-#   HL_RESULTS_DIR       logs, dllogger.json, TensorBoard HL_CHECKPOINTS_DIR checkpoints
+#   HL_RESULTS_DIR       logs, dllogger.json              HL_CHECKPOINTS_DIR checkpoints
+#                        (TensorBoard: the DeepSpeed JSON's tensorboard.output_path)
 #   HL_NUM_NODES         servers                          HL_NGPU_PER_NODE   devices per server (8)
 #   HL_HOSTSFILE         DeepSpeed hostfile for several servers (default scripts/hostsfile)
 #   HL_MAX_STEPS HL_RUN_STEPS HL_NUM_STEPS_PER_CP HL_LOG_FREQ  schedule and cadence
