@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "variable wins.")
     devices.add_argument("--collective_timeout_s", type=float, default=1800, help="A collective (all-reduce, "
                          "barrier) waiting this long ends the job with an error naming the rank and host: another "
-                         "rank died or stalled.")
+                         "rank died or stalled (under NCCL, torch's watchdog ends the rank with its own message).")
     devices.add_argument("--skip_memory_check", action="store_true", help="Train even when the memory planner "
                          "(training/sizing.py) predicts that the run does not fit the device.")
 
