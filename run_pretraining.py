@@ -196,7 +196,8 @@ def validate_args(args, world_size: int) -> tuple:
     if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     runtime.check_profiler(args.profile, args.profile_steps, args.use_hpu)
-    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode)
+    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
+                                args.use_hpu)
     for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps",
                  "checkpoint_activations_interval"):
         if getattr(args, name) < 1:

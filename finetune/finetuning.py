@@ -131,7 +131,8 @@ def validate(args) -> dict:
     """The common checks, before any work; returns the DeepSpeed settings (training) or None."""
     if not (args.do_train or args.do_eval or args.do_predict):
         raise InputError("nothing to do: pass --do_train, --do_eval and/or --do_predict")
-    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode)
+    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
+                                args.use_hpu)
     if args.init_checkpoint is None and args.config_file is None:
         raise InputError("pass --init_checkpoint (pretrained weights) and/or --config_file")
     if args.init_checkpoint is None and not args.do_train:

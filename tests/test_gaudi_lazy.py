@@ -126,6 +126,56 @@ def test_nothing_of_habana_runs_on_the_cpu(tmp_path, tiny_shards, monkeypatch):
     assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
 
 
+@pytest.mark.parametrize("lazy_mode", [None, "1", "0"])
+def test_compile_mode_on_an_hpu_is_refused_under_lazy_mode_before_the_bridge_is_imported(
+        tmp_path, tiny_shards, capsys, monkeypatch, lazy_mode):
+    """--use_hpu --enable_torch_compile: under lazy mode (PT_HPU_LAZY_MODE=1, or unset, which the launchers
+    also read as 1) one error line that says how to get compile mode, before the bridge is imported. With
+    PT_HPU_LAZY_MODE=0 validation lets it through: the next error is the stand-in's missing hccl."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # --use_hpu would ask DeepSpeed for its HPU accelerator
+    if lazy_mode is None:
+        monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    else:
+        monkeypatch.setenv("PT_HPU_LAZY_MODE", lazy_mode)
+    monkeypatch.syspath_prepend(str(FAKE_HABANA))
+    forget_fake_bridge()
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    try:
+        exit_code = rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, use_hpu=True, no_cuda=False,
+                                               enable_torch_compile=True))
+        imported = [name for name in sys.modules if name.startswith("habana_frameworks")]
+    finally:
+        forget_fake_bridge()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_code == 1 and len(errors) == 1, errors
+    if lazy_mode == "0":
+        assert "--use_hpu needs the SynapseAI PyTorch bridge" in errors[0] and imported
+    else:
+        shown = "unset, read as lazy mode" if lazy_mode is None else "'1'"
+        assert errors[0] == ("error: --enable_torch_compile with --use_hpu needs Gaudi's compile mode, "
+                             f"PT_HPU_LAZY_MODE=0 (here PT_HPU_LAZY_MODE is {shown})")
+        assert imported == []
+        assert not (tmp_path / "out").exists()
+
+
+def test_lazy_mode_does_not_concern_compile_mode_off_the_hpu(monkeypatch):
+    """On the CPU or CUDA, PT_HPU_LAZY_MODE=1 (left over from a Gaudi shell) does not refuse compile mode, and
+    nothing of Habana is imported to decide it."""
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    monkeypatch.syspath_prepend(str(FAKE_HABANA))
+    forget_fake_bridge()
+    from training import runtime
+    runtime.check_compile_flags(True, None, None, use_hpu=False)
+    runtime.check_compile_flags(False, None, None, use_hpu=True)  # eager under lazy mode: the default
+    assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
+
+
+@pytest.mark.parametrize("value,lazy", [(None, True), ("1", True), ("0", False)])
+def test_the_mode_requested_by_the_environment(value, lazy):
+    """As scripts/launch_common.sh reads it: unset is lazy mode, 0 is compile mode."""
+    assert gaudi.lazy_mode_requested({} if value is None else {"PT_HPU_LAZY_MODE": value}) is lazy
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 
 @pytest.fixture

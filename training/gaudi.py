@@ -11,13 +11,27 @@ the version our launchers mirror). In lazy mode (PT_HPU_LAZY_MODE=1) the bridge 
 Compile mode (PT_HPU_LAZY_MODE=0, the reference from 1.17 on) and every other device get no graph breaks:
 there, nothing of this module imports or calls the Habana bridge. The environment of each mode is set by
 the launchers (scripts/launch_common.sh, `hpu_environment`), before the bridge is first imported.
+`lazy_mode_requested` is that environment's mode, for the checks that run before the bridge is imported.
 """
 
+import os
 from contextlib import contextmanager
 
 import torch
 
 BERT_5B_CONFIG_NAME = "bert_5b_config.json"
+
+
+def lazy_mode_requested(environ=os.environ) -> bool:
+    """Whether an HPU run of this process is in lazy mode, read from PT_HPU_LAZY_MODE before the bridge is
+    imported (the bridge reads it at import): only "0" asks for compile (eager) mode.
+
+    Unset, we assume lazy mode, as the launchers do (scripts/launch_common.sh): Habana's Runtime Flags table
+    gives the default as 1 in the releases up to the 1.1x ones our launchers follow and as 0 in recent ones,
+    and no check can ask the bridge which one it is before importing it. Assuming lazy errs on the side of
+    refusing compile mode, which costs a rerun with PT_HPU_LAZY_MODE=0; assuming compile mode would let
+    torch.compile run under lazy mode."""
+    return environ.get("PT_HPU_LAZY_MODE", "1") != "0"
 
 
 def is_bert_5b(config_file) -> bool:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import InputError, one_line
+from training import gaudi
 
 try:
     import dllogger
@@ -267,11 +268,18 @@ def add_compile_arguments(group) -> None:
                        "e.g. max-autotune-no-cudagraphs (default: the backend's default).")
 
 
-def check_compile_flags(enabled: bool, backend: str | None, mode: str | None) -> None:
-    """Before any work: the backend and mode flags need compile mode, and the mode must be one of inductor's.
+def check_compile_flags(enabled: bool, backend: str | None, mode: str | None, use_hpu: bool = False) -> None:
+    """Before any work: the backend and mode flags need compile mode, and the mode must be one of inductor's;
+    on Gaudi, compile mode needs lazy mode off (PT_HPU_LAZY_MODE=0): under lazy mode torch.compile would run
+    beside the bridge's own lazy graphs and the driver's mark_step cuts, which is no mode of the reference's.
     The backend name is checked in compile_model: Gaudi's registers only once its bridge is imported."""
     if not enabled and (backend or mode):
         raise InputError("--torch_compile_backend and --torch_compile_mode need --enable_torch_compile")
+    if enabled and use_hpu and gaudi.lazy_mode_requested():
+        value = os.environ.get("PT_HPU_LAZY_MODE")
+        now = "unset, read as lazy mode" if value is None else repr(value)
+        raise InputError(f"--enable_torch_compile with --use_hpu needs Gaudi's compile mode, PT_HPU_LAZY_MODE=0 "
+                         f"(here PT_HPU_LAZY_MODE is {now})")
     if mode is not None:
         import torch._inductor
         modes = sorted(torch._inductor.list_mode_options())
