@@ -60,6 +60,7 @@ float64 ones); the result is written back to the parameter in its own dtype.
 """
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -190,12 +191,6 @@ class Chunk(NamedTuple):
         return self.weights, self.grads, self.exp_avgs, self.exp_avg_sqs
 
 
-def _make_chunk(pieces):
-    blocks = [block for block, _ in pieces]
-    lists = zip(*(tensors for _, tensors in pieces))
-    return Chunk(*map(list, lists), blocks, torch.tensor(blocks, device=pieces[0][1][0].device))
-
-
 def _compute_dtype(param):
     """float32 for half-precision parameters, the parameter's own dtype otherwise."""
     return torch.promote_types(param.dtype, torch.float32)
@@ -258,11 +253,18 @@ class GroupTensors:
                 pending.append((block, piece))
                 pending_size += piece[0].numel()
                 if pending_size >= (size or 1):
-                    chunks.append(_make_chunk(pending))
+                    chunks.append(pending)
                     pending, pending_size = [], 0
         if pending:
-            chunks.append(_make_chunk(pending))
-        return chunks
+            chunks.append(pending)
+        # Every chunk's block index in one host-to-device copy: on CUDA each copy from pageable memory
+        # waits for the queued kernels, and there is a chunk per block in the compiled sweeps.
+        blocks = [[block for block, _ in pieces] for pieces in chunks]
+        all_blocks = torch.tensor(list(itertools.chain.from_iterable(blocks)), dtype=torch.long,
+                                  device=self.weights[0].device)
+        indices = all_blocks.split([len(chunk_blocks) for chunk_blocks in blocks])
+        return [Chunk(*map(list, zip(*(tensors for _, tensors in pieces))), chunk_blocks, index)
+                for pieces, chunk_blocks, index in zip(chunks, blocks, indices)]
 
     def write_back(self):
         for param, weight in zip(self.params, self.full_weights):
