@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--constant_proportion", type=float, default=0.0, help="Fraction of --max_steps held at "
                           "the base LR after warm-up.")
     schedule.add_argument("--scheduler_degree", type=float, default=1.0, help="Exponent of the polynomial decay.")
-    schedule.add_argument("--steps_this_run", type=int, default=-1, help="Optimizer steps in this run (-1: until "
-                          "--max_steps). Unlike the reference, counted from the start of this run, not from step 0.")
+    schedule.add_argument("--steps_this_run", type=int, default=-1, help="Optimizer steps in this run, at least 1 "
+                          "(-1: until --max_steps). Unlike the reference, counted from the start of this run, not "
+                          "from step 0.")
     schedule.add_argument("--phase2", action="store_true", help="Start phase 2 from a phase-1 checkpoint: reset "
                           "step counters and scheduler, keep moments.")
     schedule.add_argument("--phase1_end_step", type=int, default=7038, help="Global step at which phase 1 ended.")
@@ -205,6 +206,8 @@ def validate_args(args, world_size: int) -> tuple:
     for name in ("seed", "keep_last_n_checkpoints"):  # numpy seeds are non-negative; 0 = keep all
         if getattr(args, name) < 0:
             raise InputError(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if args.steps_this_run != -1 and args.steps_this_run < 1:  # 0 used to mean "no limit" silently
+        raise InputError(f"--steps_this_run must be -1 (no limit) or at least 1, got {args.steps_this_run}")
     if not args.collective_timeout_s > 0:
         raise InputError(f"--collective_timeout_s must be positive, got {args.collective_timeout_s}")
     if not args.data_memory_budget_mb > 0:
@@ -758,7 +761,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                                                                 data.max_pred),
               peak_tflops=peak, graph_breaks=graph_breaks,
               max_steps=int(args.max_steps), log_freq=int(args.log_freq), max_bad_steps=args.max_bad_steps,
-              steps_this_run=args.steps_this_run if args.steps_this_run > 0 else math.inf,
+              steps_this_run=math.inf if args.steps_this_run == -1 else args.steps_this_run,
               checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
               keep_last_n_checkpoints=args.keep_last_n_checkpoints, phase1_end_step=args.phase1_end_step,
               log_first_step_time=args.enable_torch_compile, progress_bar=rank == 0 and not args.disable_progress_bar)

@@ -370,6 +370,11 @@ BAD_INPUTS = {
     "negative_keep_last_n": (None, {"keep_last_n_checkpoints": -2}, "--keep_last_n_checkpoints must be 0 or more"),
     "zero_memory_budget": (None, {"data_memory_budget_mb": 0}, "--data_memory_budget_mb must be positive, got 0"),
     "negative_memory_budget": (None, {"data_memory_budget_mb": -5}, "--data_memory_budget_mb must be positive"),
+    # 0 and -2 used to train silently to --max_steps (only -1 means no limit)
+    "zero_steps_this_run": (None, {"steps_this_run": 0},
+                            r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got 0$"),
+    "negative_steps_this_run": (None, {"steps_this_run": -2},
+                                r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got -2$"),
 }
 
 
