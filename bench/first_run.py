@@ -1,14 +1,17 @@
 """First run on a new server: does this machine train BERT-1.5B as it should? Run it first on a fresh Gaudi
 or GPU machine, from the repository root, in the project's environment:
 
-    python bench/first_run.py --use_hpu      # a Gaudi (run it with PT_HPU_LAZY_MODE=1 or 0 for either mode)
+    python bench/first_run.py --use_hpu      # a Gaudi, lazy mode: the eager pass
+    PT_HPU_LAZY_MODE=0 python bench/first_run.py --use_hpu   # a Gaudi, compile mode: the compile pass
     python bench/first_run.py                # an NVIDIA GPU (or, without one, the CPU)
     python bench/first_run.py --tiny         # the tiny config on the CPU, in a minute (what CI runs)
 
 It builds the sample data (data/create_datasets_from_start.sh sample, phase 1: seq 128, 20 predictions),
 then runs the real driver (run_pretraining.py's main, one device, bf16, ZeRO-1, LANS) for --steps steps at
 BERT-1.5B widths with 2 layers, then with the full BERT-1.5B config, in eager mode and, where the driver
-has --enable_torch_compile, in compile mode. For each run it prints
+has --enable_torch_compile, in compile mode. On a Gaudi the bridge's mode is fixed for the process by
+PT_HPU_LAZY_MODE, so one process runs one of the two as the launchers do: lazy mode (1, or unset) the eager
+pass, 0 the compile pass; the other is reported as SKIP with the command that runs it. For each run it prints
 - sequences/s and MFU: the median over the steps after the first (the first one warms up or compiles),
   from the driver's own per-step records; MFU is against the device's datasheet bf16 peak
   (hardware.DATASHEET_BF16_TFLOPS), or on the CPU the peak the driver measures at start-up;
@@ -33,7 +36,7 @@ import torch
 
 import run_pretraining
 from modeling import BertConfig
-from training import hardware, sizing
+from training import gaudi, hardware, sizing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,6 +129,27 @@ def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micr
             measured.bytes, planned, summary["final_loss"])
 
 
+def planned_modes(wanted: list, device_type: str, driver_compiles: bool, environ=os.environ) -> tuple:
+    """(the modes to run, SKIP lines for the wanted ones left out). On a Gaudi, PT_HPU_LAZY_MODE fixes the
+    bridge's mode for the whole process: the eager pass belongs to lazy mode (the launchers' default) and the
+    compile pass to PT_HPU_LAZY_MODE=0 (the driver refuses compile mode under lazy mode); run in the other mode,
+    the eager pass would be Habana's op-by-op eager mode, which no launcher runs."""
+    modes, skipped = [mode for mode in ("eager", "compile") if mode in wanted], []
+    if "compile" in modes and not driver_compiles:
+        modes.remove("compile")
+        skipped.append("SKIP compile mode: this driver has no --enable_torch_compile")
+    if device_type == "hpu":
+        lazy = gaudi.lazy_mode_requested(environ)
+        left_out, run_it = (("compile", "PT_HPU_LAZY_MODE=0 python bench/first_run.py --use_hpu") if lazy else
+                            ("eager", "PT_HPU_LAZY_MODE=1 python bench/first_run.py --use_hpu"))
+        if left_out in modes:
+            modes.remove(left_out)
+            now = "lazy mode (PT_HPU_LAZY_MODE=1 or unset)" if lazy else "compile mode (PT_HPU_LAZY_MODE=0)"
+            skipped.append(f"SKIP {left_out} mode: this process runs Gaudi's {now}, where the {left_out} pass does not "
+                           f"belong; run it with: {run_it}")
+    return modes, skipped
+
+
 def verdict(check: str, value: float, expected: tuple, text: str) -> bool:
     ok = expected[0] <= value <= expected[1]
     print(f"{'PASS' if ok else 'FAIL'} {check}: {text} (expected {expected[0]:g} to {expected[1]:g})")
@@ -137,22 +161,22 @@ def main(argv=None) -> int:
     device_type = "hpu" if args.use_hpu else "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
     kind = "tiny" if args.tiny else "cpu" if device_type == "cpu" else "accelerator"
     runs = TINY_RUNS if args.tiny else FULL_RUNS
-    wanted = args.modes.split(",")
-    modes = (["eager"] * ("eager" in wanted)
-             + ["compile"] * ("compile" in wanted and driver_accepts("--enable_torch_compile")))
-    with tempfile.TemporaryDirectory() as scratch:
-        work_dir = Path(args.work_dir or scratch)
-        print(f"== building the sample data in {work_dir / 'data'}")
-        data_dir = build_sample_data(work_dir)
-        results = []
-        for name, config, accelerator_micro, cpu_micro in runs:
-            micro = cpu_micro if device_type == "cpu" else accelerator_micro
-            for mode in modes:
-                print(f"== {name}, micro-batch {micro}, {mode} mode, {args.steps} steps on {device_type}")
-                results.append((name, mode, run_once(args, work_dir, data_dir, name, config, micro, mode, device_type)))
-    if "compile" in wanted and "compile" not in modes:
-        print("compile mode: not run (this driver has no --enable_torch_compile)")
+    modes, skipped = planned_modes(args.modes.split(","), device_type, driver_accepts("--enable_torch_compile"))
+    results = []
+    if modes:
+        with tempfile.TemporaryDirectory() as scratch:
+            work_dir = Path(args.work_dir or scratch)
+            print(f"== building the sample data in {work_dir / 'data'}")
+            data_dir = build_sample_data(work_dir)
+            for name, config, accelerator_micro, cpu_micro in runs:
+                micro = cpu_micro if device_type == "cpu" else accelerator_micro
+                for mode in modes:
+                    print(f"== {name}, micro-batch {micro}, {mode} mode, {args.steps} steps on {device_type}")
+                    results.append((name, mode, run_once(args, work_dir, data_dir, name, config, micro, mode,
+                                                         device_type)))
     print(f"== verdicts ({device_type}; figures: median of steps 2 to {args.steps})")
+    for line in skipped:
+        print(line)
     ok = True
     for name, mode, result in results:
         if result is None:
