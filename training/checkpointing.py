@@ -442,17 +442,15 @@ def _choose_among(output_dir, complete: list, broken: dict, latest: str | None) 
 
 
 def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: int, *,
-                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, say=None) -> tuple[dict, dict | None]:
-    """Collective (DeepSpeed's load is). Returns (client_state, rank_state).
+                    say=None) -> tuple[dict, dict | None]:
+    """Collective (DeepSpeed's load is). Loads everything checkpoint <output_dir>/<tag> holds into engine:
+    weights, optimizer state, LR scheduler and DeepSpeed's step counters. Returns (client_state, rank_state).
     global_rank, world_size: this process's in the data-parallel process group (dist.get_rank(),
     dist.get_world_size()); a world size other than the manifest's means a resume on another world size.
 
-    Resume: the defaults (weights, optimizer, LR scheduler, DeepSpeed's step counters).
-    Phase 2 from a phase-1 checkpoint: load_lr_scheduler_states=False keeps the freshly built
-    scheduler; the optimizer moments are loaded (resetting step counters is the caller's job).
-    --init_checkpoint: load_module_only=True loads the weights only (fresh optimizer and scheduler);
-    rank_state is then {} and the world size may differ from the saving run's.
+    Callers that want less than everything adjust afterwards: phase 2 from a phase-1 checkpoint loads it
+    whole, then resets the step counters and the scheduler; --init_checkpoint does not come here (it reads
+    the weights file alone).
     Another data-parallel world size than the saving run's: DeepSpeed loads the weights, scheduler and
     counters, and the ZeRO-1/2 optimizer state (fp32 master weights, moments, group steps) is
     re-partitioned here (see _repartition_optimizer_state; say(message) is told). rank_state is then
@@ -462,21 +460,17 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: 
     manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
-    other_world = not load_module_only and manifest["world_size"] != world_size
+    other_world = manifest["world_size"] != world_size
     if other_world:
         _check_repartition_possible(tag_dir, manifest, engine, world_size)
     # DeepSpeed loads ZeRO-0 optimizer state (whole tensors) on any world size, ZeRO-1/2 partitions not.
-    repartition = other_world and load_optimizer_states and _is_partitioned(tag_dir)
+    repartition = other_world and _is_partitioned(tag_dir)
     with _weights_only_loads(engine):
-        load_path, ds_state = engine.load_checkpoint(
-            str(output_dir), str(tag), load_module_strict=True,
-            load_optimizer_states=load_optimizer_states and not repartition,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        load_path, ds_state = engine.load_checkpoint(str(output_dir), str(tag), load_module_strict=True,
+                                                     load_optimizer_states=not repartition)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no model states file in {tag_dir}")
     client_state = {key: ds_state[key] for key in manifest["client_state_keys"]}
-    if load_module_only:
-        return client_state, {}
     if other_world:
         if repartition:
             _repartition_optimizer_state(engine, tag_dir)
