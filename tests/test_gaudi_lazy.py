@@ -105,6 +105,17 @@ def test_graph_breaks_only_on_an_hpu_in_lazy_mode(fake_bridge, monkeypatch):
     assert fake_bridge == [] and not [name for name in sys.modules if name.startswith("habana_frameworks")]
 
 
+@pytest.mark.parametrize("lazy_mode,expected", [("1", ["mark_step", "synchronize"]), ("0", ["synchronize"])])
+def test_the_peak_measurement_waits_for_the_hpu(fake_bridge, monkeypatch, lazy_mode, expected):
+    """hardware.measure_matmul_tflops ends each timed product with hardware.wait_for(device): on an HPU in lazy
+    mode a cut and then the device's synchronize (else it would time the recording of the graph), in compile
+    mode the synchronize alone."""
+    from training import hardware
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", lazy_mode)
+    hardware.wait_for(torch.device("hpu"))()
+    assert fake_bridge == expected
+
+
 def test_the_reference_5b_test_is_the_config_file_name():
     assert gaudi.is_bert_5b("scripts/bert_5b_config.json")
     assert not gaudi.is_bert_5b("scripts/bert_1.5b_config.json")

@@ -11,7 +11,8 @@ the version our launchers mirror). In lazy mode (PT_HPU_LAZY_MODE=1) the bridge 
 Compile mode (PT_HPU_LAZY_MODE=0, the reference from 1.17 on) and every other device get no graph breaks:
 there, nothing of this module imports or calls the Habana bridge. The environment of each mode is set by
 the launchers (scripts/launch_common.sh, `hpu_environment`), before the bridge is first imported.
-`lazy_mode_requested` is that environment's mode, for the checks that run before the bridge is imported.
+`lazy_mode_requested` is that environment's mode, for the checks that run before the bridge is imported;
+`wait_for_device` is the HPU's synchronize for timings (hardware.py).
 """
 
 import os
@@ -78,6 +79,17 @@ class LazyModeGraphBreaks(NoGraphBreaks):
 
     def after_step(self):
         self.mark_step()
+
+
+def wait_for_device() -> None:
+    """Block until the HPU has run the ops queued so far (for timing them). In lazy mode the bridge only
+    records ops until mark_step, so cut first: a wait without it would time the recording, not the work."""
+    import habana_frameworks.torch.core as htcore
+    import habana_frameworks.torch.hpu as hpu
+    from habana_frameworks.torch.utils.internal import is_lazy
+    if is_lazy():
+        htcore.mark_step()
+    hpu.synchronize()
 
 
 def graph_breaks(device: torch.device, model: torch.nn.Module, bert_5b: bool) -> NoGraphBreaks:

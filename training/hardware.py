@@ -11,15 +11,19 @@ import time
 
 import torch
 
+from training import gaudi
+
 # Dense bf16 TFLOP/s from the vendors' datasheets, matched against the device name, most specific first.
 DATASHEET_BF16_TFLOPS = (
     ("gaudi3", 1835.0),  # Intel Gaudi 3 AI accelerator product brief / white paper: 1835 TFLOPS BF16 (matrix)
     ("gaudi2", 432.0),   # Intel Gaudi 2 product table (Habana developer site): 432 TFLOPS BF16
     ("gaudi", 60.0),     # first-generation Gaudi (HL-205), same table: 60 TFLOPS BF16
-    ("h200", 989.0),     # NVIDIA H200 SXM datasheet: 1979 TFLOPS BF16 with sparsity, 989 dense
-    ("h100", 989.0),     # NVIDIA H100 SXM datasheet: 1979 TFLOPS BF16 with sparsity, 989 dense (PCIe: 756)
+    # NVIDIA H100 datasheet table, PCIe column (as reprinted at archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html):
+    # 1513 TFLOPS BF16 with sparsity, 756 dense. Before "h100": the PCIe card's name, "NVIDIA H100 PCIe", contains it.
+    ("h100pcie", 756.0),
+    ("h100", 989.0),     # NVIDIA H100 SXM datasheet: 1979 TFLOPS BF16 with sparsity, 989 dense
     ("a100", 312.0),     # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense (624 with sparsity)
-)
+)  # No H200: we found no NVIDIA datasheet to cite for it (only third-party pages); it gets the measured peak.
 DEVICE_MEMORY_GIB_BY_NAME = (("gaudi3", 128), ("gaudi2", 96), ("gaudi", 32))  # HPUs; CUDA reports its own
 # The products timed on the CPU: BERT-1.5B's linear layers for 1024 tokens (micro-batch 8 x 128), as
 # nn.Linear computes them (x @ W^T, bf16 in bf16 out): FFN up, FFN down, attention output (m x k x n).
@@ -53,15 +57,26 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: flo
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = torch.randn(m, k, device=device, dtype=dtype, generator=generator)
     weight = torch.randn(n, k, device=device, dtype=dtype, generator=generator)
+    wait = wait_for(device)
     torch.nn.functional.linear(inputs, weight)
+    wait()
     best, repeats, deadline = float("inf"), 0, time.perf_counter() + seconds
     while time.perf_counter() < deadline or repeats < MIN_REPEATS:
         start = time.perf_counter()
         torch.nn.functional.linear(inputs, weight)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        wait()
         best, repeats = min(best, time.perf_counter() - start), repeats + 1
     return 2.0 * m * k * n / best / 1e12
+
+
+def wait_for(device: torch.device):
+    """A function that returns once `device` has run what was queued: accelerators run ops asynchronously,
+    so a timing must end with it. The CPU runs them before returning."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "hpu":
+        return gaudi.wait_for_device
+    return lambda: None
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None = None) -> tuple:

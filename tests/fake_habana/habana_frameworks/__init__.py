@@ -11,7 +11,8 @@ FAKE_HABANA_LOG names a file, one line per use there, for tests that run a subpr
 - torch.compile's backend `hpu_backend` (an entry point of the `torch_dynamo_backends` group): "hpu_backend"
   for each graph it is given, which it runs as it is (the real one compiles it for the device);
 - `habana_frameworks.torch.hpu.device_count()` / `is_available()`: STUB_HPU_COUNT (8) devices, for the
-  launchers' device check.
+  launchers' device check;
+- `habana_frameworks.torch.hpu.synchronize()`: "synchronize" (the real one waits for the device).
 It provides no hpu device and no hccl backend: a run with --use_hpu cannot get past the process group's
 start with it.
 """

@@ -1,5 +1,7 @@
 import os
 
+from habana_frameworks import record
+
 
 def device_count() -> int:
     return int(os.environ.get("STUB_HPU_COUNT", "8"))
@@ -7,6 +9,10 @@ def device_count() -> int:
 
 def is_available() -> bool:
     return device_count() > 0
+
+
+def synchronize() -> None:
+    record("synchronize")
 
 
 class Event:
