@@ -2,18 +2,25 @@
 # Shared by the scripts/run_bert_*.sh, run_squad.sh and run_glue.sh launchers (source it; it defines
 # functions and defaults only).
 #
-# Every path and count can be overridden from the environment with the reference's HL_* variables:
+# Every path and count can be overridden from the environment with the reference's HL_* variables
+# ("the launcher's": the DEFAULT_* value each scripts/run_*.sh sets):
 #   HL_DATA_DIR_ROOT     root of the HDF5 datasets        (default /data/pytorch/bert/pretraining)
-#   HL_MODEL_CONFIG      model JSON                       HL_DS_CONFIG       DeepSpeed JSON
-#   HL_RESULTS_DIR       logs, dllogger.json              HL_CHECKPOINTS_DIR checkpoints
+#   HL_MODEL_CONFIG      model JSON                       HL_DS_CONFIG       DeepSpeed JSON (the launcher's)
+#   HL_RESULTS_DIR       logs, dllogger.json (the launcher's)
+#   HL_CHECKPOINTS_DIR   checkpoints (default HL_RESULTS_DIR/checkpoints)
 #                        (TensorBoard: the DeepSpeed JSON's tensorboard.output_path)
-#   HL_NUM_NODES         servers                          HL_NGPU_PER_NODE   devices per server (8)
+#   HL_NUM_NODES         servers (the launcher's, else 1) HL_NGPU_PER_NODE   devices per server (8)
 #   HL_HOSTSFILE         DeepSpeed hostfile for several servers (default scripts/hostsfile)
-#   HL_MAX_STEPS HL_RUN_STEPS HL_NUM_STEPS_PER_CP HL_LOG_FREQ  schedule and cadence
+#   HL_MAX_STEPS         the schedule's length in optimizer steps (the launcher's)
+#   HL_RUN_STEPS         optimizer steps of this run (default -1: up to HL_MAX_STEPS)
+#   HL_NUM_STEPS_PER_CP HL_LOG_FREQ  checkpoint and log cadence in optimizer steps (the launcher's)
+#   HL_MASTER_PORT       the rendezvous port (default 29500)
+#   HL_PREFLIGHT         0 skips training/preflight.py (default 1: it runs)
 #   HL_DEVICE            hpu (default, --use_hpu) | cuda | cpu (--no_cuda); for hpu, PT_HPU_LAZY_MODE picks
 #                        Habana's mode: 1 (default) lazy, 0 compile (see hpu_environment)
 #   HL_DATA_DIR          the shard directory itself (default: the phase's dataset under HL_DATA_DIR_ROOT)
 #   HL_PHASE1_END_STEP   phase-2 launchers: the step of phase 1's last checkpoint in HL_CHECKPOINTS_DIR
+#                        (the launcher's)
 #   HL_MAX_RESTARTS HL_RESTART_WINDOW_S HL_MIN_HOSTS  several servers: training/supervisor.py restarts a failed job on
 #                        the servers that pass the checks, at most HL_MAX_RESTARTS (3; 0: never) times within
 #                        HL_RESTART_WINDOW_S seconds (21600), on at least HL_MIN_HOSTS (half the servers)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BERT-5B phase 1 on 16 servers of 8 devices (ZeRO-2, bf16, LANS, activation checkpointing; 12288 = 24 x 4 x 128). Checkpoint every 120 steps (about every 4 hours).
+# BERT-5B phase 1 on 16 servers of 8 devices (ZeRO-2, bf16, LANS, activation checkpointing; 12288 = 24 x 4 x 128). Checkpoint every 120 steps.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
