@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     logging.add_argument("--log_freq", type=float, default=1.0, help="Log every this many optimizer steps.")
     logging.add_argument("--disable_progress_bar", action="store_true", help="No tqdm bar on rank 0.")
     logging.add_argument("--peak_tflops", type=float, default=None, help="Matmul peak of one device for the "
-                         "logged MFU, TFLOP/s (default: the datasheet bf16 figure of a known Gaudi/NVIDIA device, "
-                         "else measured at start-up).")
+                         "logged MFU, TFLOP/s (default: for a bf16 run on a known Gaudi/NVIDIA device, its "
+                         "datasheet bf16 figure; else measured at start-up on the device, in the run's dtype).")
     logging.add_argument("--profile", default=None, help="pt | pt-full (torch profiler, full = with stacks) | hltv "
                          "(HPU only) (default: none, no profiling).")
     logging.add_argument("--profile_steps", default="2,3", help="start,end: micro-steps (inclusive) to profile.")

@@ -1,8 +1,9 @@
 """What the device a rank runs on can do: its matrix-multiply peak (for MFU) and its memory (for the
 memory check). Knows torch and the device, nothing of the model.
 
-Peak: --peak_tflops when given; else the vendor's datasheet dense bf16 figure for a known Gaudi or NVIDIA
-device; else (CPU, or an unknown device) a short matrix-multiply measurement, reported as measured.
+Peak: --peak_tflops when given; else, for a bf16 run on a known Gaudi or NVIDIA device, the vendor's
+datasheet dense bf16 figure; else (the CPU, an unknown device, or a run that is not bf16) a short
+matrix-multiply measurement on the device in the run's dtype, reported as measured.
 """
 
 import functools
