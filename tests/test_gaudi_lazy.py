@@ -169,6 +169,27 @@ def test_compile_mode_on_an_hpu_is_refused_under_lazy_mode_before_the_bridge_is_
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("entry_point", ["run_glue", "run_squad"])
+def test_fine_tuning_refuses_compile_mode_on_an_hpu_under_lazy_mode(tmp_path, capsys, monkeypatch, entry_point):
+    """The fine-tuning entry points share the check (finetuning.validate): the same one line, before any input
+    file is read (these do not exist) and before the bridge is imported."""
+    import importlib
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    monkeypatch.syspath_prepend(str(FAKE_HABANA))
+    forget_fake_bridge()
+    missing = tmp_path / "missing"
+    argv = ["--use_hpu", "--enable_torch_compile", "--do_train", "--init_checkpoint", str(missing), "--vocab_file",
+            str(missing), "--output_dir", str(tmp_path / "out")]
+    argv += (["--task_name", "MRPC", "--data_dir", str(missing)] if entry_point == "run_glue"
+             else ["--train_file", str(missing)])
+    assert importlib.import_module(entry_point).cli(argv) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --enable_torch_compile with --use_hpu needs Gaudi's compile mode, PT_HPU_LAZY_MODE=0 "
+                      "(here PT_HPU_LAZY_MODE is '1')"]
+    assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
+
+
 def test_lazy_mode_does_not_concern_compile_mode_off_the_hpu(monkeypatch):
     """On the CPU or CUDA, PT_HPU_LAZY_MODE=1 (left over from a Gaudi shell) does not refuse compile mode, and
     nothing of Habana is imported to decide it."""
