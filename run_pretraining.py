@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the backward pass.")
     model.add_argument("--checkpoint_activations_interval", type=int, default=1, help="Layers per checkpointed "
                        "chunk.")
-    runtime.add_compile_arguments(model)
+    runtime.add_compile_arguments(model, compiles_lans=True)
 
     schedule = parser.add_argument_group("schedule and optimizer")
     schedule.add_argument("--optimizer", default=None, help=f"The client optimizer: {', '.join(OPTIMIZERS)} "

@@ -89,6 +89,19 @@ def test_bad_compile_flags_are_refused_before_training(tmp_path, shards, flags, 
 
 
 @pytest.mark.slow
+def test_compile_help_names_the_lans_update_where_it_is_compiled():
+    """Only run_pretraining.py compiles an optimizer update (LANS's); fine-tuning's AdamW stays eager."""
+    import run_glue
+    import run_squad
+
+    def compile_help(parser):
+        (action,) = [a for a in parser._actions if "--enable_torch_compile" in a.option_strings]
+        return action.help
+
+    assert "the LANS update" in compile_help(run_pretraining.build_parser())
+    assert all("LANS" not in compile_help(module.build_parser()) for module in (run_glue, run_squad))
+
+
 def test_fine_tuning_compiled_follows_eager(tmp_path, monkeypatch):
     """run_glue.py (finetune/finetuning.py's loop, which run_squad.py shares): the same losses and dev predictions."""
     import run_glue

@@ -216,6 +216,20 @@ def test_bad_arguments_are_one_line(tmp_path):
         f"error: supervisor: hostfile {tmp_path / 'none'}: No such file or directory")
 
 
+def test_help_needs_no_deepspeed_command():
+    """--help used to be refused for the missing '-- deepspeed ...' part; without --help that part is still
+    required (after the flags' own errors)."""
+    command = [sys.executable, "-m", "training.supervisor"]
+    shown = subprocess.run([*command, "--help"], cwd=helpers.REPO_ROOT, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: supervisor.py [options] -- deepspeed")
+    assert "--max_restarts" in shown.stdout and not shown.stderr
+    flags = ["--hostfile", "h", "--num_nodes", "2", "--ngpu_per_node", "1", "--deepspeed_config", "x",
+             "--data_dir", ".", "--json_summary", "j"]
+    refused = subprocess.run([*command, *flags], cwd=helpers.REPO_ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(
+        "error: give the deepspeed command after '--'")
+
+
 # ============================================================================ on namespace hosts (slow)
 # Three test hosts with real sshd, pdsh and the `deepspeed` launcher (tests/multihost.py, root only), one rank
 # each, through run_bert_1.5b_32x.sh as a user runs it on the first server.

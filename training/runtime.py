@@ -255,12 +255,13 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, pa
     return engine, optimizer or engine.optimizer
 
 
-def add_compile_arguments(group) -> None:
-    """The compile-mode flags, on a parser or argument group (the same in every entry point)."""
+def add_compile_arguments(group, compiles_lans: bool = False) -> None:
+    """The compile-mode flags, on a parser or argument group (the same in every entry point). compiles_lans:
+    the entry point's LANS update is compiled too (run_pretraining.py's; fine-tuning's AdamW is not)."""
+    lans = " and, with inductor, the LANS update" if compiles_lans else ""
     group.add_argument("--enable_torch_compile", action="store_true", help="torch.compile the model (the "
-                       "reference's compile mode; on Gaudi with PT_HPU_LAZY_MODE=0) and, with inductor, "
-                       "run_pretraining.py's LANS update. Checkpoints are the same as in eager mode, so either "
-                       "mode resumes the other's.")
+                       f"reference's compile mode; on Gaudi with PT_HPU_LAZY_MODE=0){lans}. Checkpoints are the "
+                       "same as in eager mode, so either mode resumes the other's.")
     group.add_argument("--torch_compile_backend", default=None, help="torch.compile backend with "
                        "--enable_torch_compile (default: the DeepSpeed accelerator's: hpu_backend on Gaudi, "
                        "inductor elsewhere).")

@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_arguments(argv: list):
     parser = build_parser()
     if "--" not in argv:
+        parser.parse_args(argv)  # --help first, and the flags' own errors
         parser.error("give the deepspeed command after '--'")
     split = argv.index("--")
     args, command = parser.parse_args(argv[:split]), argv[split + 1:]
