@@ -4,7 +4,8 @@ preflight, the supervisor and every DeepSpeed entry point, with one error type.
 - `read`: the file as a dict;
 - `batch_arithmetic` (`read_batch_arithmetic` from a file): (micro-batch, accumulation steps, global batch) at a
   world size: the global batch is what a recipe fixes, and it must split evenly over the ranks;
-- `check`: the batch arithmetic plus what the runtime needs (a client optimizer under ZeRO, TensorBoard);
+- `check`: the batch arithmetic plus what the runtime needs (a client optimizer under ZeRO, TensorBoard, no ZeRO
+  offload);
 - `load`: read and check.
 """
 
@@ -57,9 +58,18 @@ def read_batch_arithmetic(path, world_size: int) -> tuple:
 
 def check(config: dict, world_size: int, source, client_optimizer: str | None = None) -> dict:
     """Check the batch arithmetic and what a client optimizer (its name, or None when the JSON's optimizer or
-    one that ZeRO supports is used) needs; sets gradient_accumulation_steps. `source` names the config."""
+    one that ZeRO supports is used) needs; sets gradient_accumulation_steps from the global batch (pretraining's
+    reading: a JSON's own value gives way, so a checkpoint resumes on another world size with the same batch;
+    fine-tuning checks its flags against the JSON first). Refuses ZeRO offload. `source` names the config."""
     _, config["gradient_accumulation_steps"], _ = batch_arithmetic(config, world_size, source)
-    zero_stage = config.get("zero_optimization", {}).get("stage", 0)
+    zero = config.get("zero_optimization", {})
+    zero_stage = zero.get("stage", 0)
+    offloaded = offload_sections(zero)
+    if offloaded:
+        # Offloaded fp32 partitions live on the CPU, where training/zero_partitions.py's all-reduce over the
+        # data-parallel group cannot reach them under NCCL, and the memory planner does not model them.
+        raise DeepSpeedConfigError(f"{source}: ZeRO offload is not supported by this repository "
+                                   f"({', '.join(offloaded)}): remove the offload setting (or use device \"none\")")
     if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
         raise DeepSpeedConfigError(f"{source}: ZeRO with --optimizer {client_optimizer} needs "
                                    '"zero_allow_untested_optimizer": true')
@@ -67,6 +77,22 @@ def check(config: dict, world_size: int, source, client_optimizer: str | None = 
         raise DeepSpeedConfigError(f"{source} enables TensorBoard but the tensorboard package is not installed "
                                    "(pip install tensorboard, or set tensorboard.enabled to false)")
     return config
+
+
+def offload_sections(zero: dict) -> list:
+    """The ZeRO offload settings of a zero_optimization section that move something off the accelerator, as text:
+    offload_optimizer / offload_param with a device other than "none", and their deprecated boolean forms."""
+    found = []
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key)
+        device = section.get("device", "none") if isinstance(section, dict) else section
+        if device not in (None, "none"):
+            found.append(f"zero_optimization.{key}.device {device}" if isinstance(section, dict)
+                         else f"zero_optimization.{key} {section!r}")
+    for key in ("cpu_offload", "cpu_offload_param"):  # DeepSpeed's older names for a CPU offload
+        if zero.get(key):
+            found.append(f"zero_optimization.{key} {json.dumps(zero[key])}")
+    return found
 
 
 def load(path, world_size: int, client_optimizer: str | None = None) -> dict:

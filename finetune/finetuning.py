@@ -88,9 +88,10 @@ def build_parser(description: str, usage: str) -> tuple:
         "as in NVIDIA's run_squad.py and run_glue.py: each of the --gradient_accumulation_steps micro-steps "
         "takes train_batch_size / gradient_accumulation_steps of them, and the global batch is train_batch_size x "
         "the number of processes (default: the DeepSpeed JSON's train_micro_batch_size_per_gpu x "
-        "gradient_accumulation_steps, else 32).")
+        "gradient_accumulation_steps, or its train_batch_size / processes, else 32). A train_batch_size in the "
+        "JSON that differs from what the flags give is an error.")
     add("--gradient_accumulation_steps", type=int, default=None, help="Micro-steps per optimizer step; they "
-        "share --train_batch_size (default: the DeepSpeed JSON's, else 1).")
+        "share --train_batch_size (default: the DeepSpeed JSON's, or what its train_batch_size gives, else 1).")
     add("--learning_rate", type=float, default=5e-5, help="Peak learning rate (AdamW, linear warm-up and decay).")
     add("--num_train_epochs", type=float, default=3.0, help="Epochs of training.")
     add("--max_steps", type=float, default=-1.0, help="Optimizer steps; > 0 overrides --num_train_epochs.")
@@ -159,9 +160,19 @@ def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_
     """The DeepSpeed JSON at path (--deepspeed_config; optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags
     filled in. As in NVIDIA's run_squad.py and run_glue.py, --train_batch_size is one process's batch per optimizer
     step: its micro-batch is train_batch_size / gradient_accumulation_steps (NVIDIA floors the division; here it
-    must be exact). None: the flag was not given."""
+    must be exact). None: the flag was not given. The flags fix what they name; what they leave open comes from
+    the JSON as DeepSpeed reads it (train_batch_size = micro-batch x accumulation steps x processes), else from
+    NVIDIA's defaults; a JSON batch key that disagrees with the result is an InputError, never overridden."""
     where = path or "the DeepSpeed settings"
     config = deepspeed_config.read(path) if path else {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = config.get(key)
+        if key in config and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"{key} in {where} must be a positive integer, got {value!r}")
+    json_total, json_micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
+    batch = train_batch_size
+    if batch is not None and batch < 1:
+        raise InputError(f"--train_batch_size must be at least 1, got {batch}")
     accumulation = gradient_accumulation_steps
     if accumulation is not None:
         if accumulation < 1:
@@ -169,14 +180,30 @@ def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_
         if config.get("gradient_accumulation_steps", accumulation) != accumulation:
             raise InputError(f"--gradient_accumulation_steps {accumulation} contradicts gradient_accumulation_steps "
                              f"{config['gradient_accumulation_steps']} in {where}: set one of them")
-        config["gradient_accumulation_steps"] = accumulation
-    accumulation = config.setdefault("gradient_accumulation_steps", 1)
-    batch = train_batch_size
-    if batch is None and "train_micro_batch_size_per_gpu" not in config:
-        batch = 32  # NVIDIA's default of --train_batch_size
+        accumulation_source = "--gradient_accumulation_steps"
+    elif "gradient_accumulation_steps" in config:
+        accumulation = config["gradient_accumulation_steps"]
+        accumulation_source = f"gradient_accumulation_steps in {where}"
+    elif batch is not None and json_micro is not None:
+        if batch % json_micro:
+            raise InputError(f"--train_batch_size {batch} (sequences per process and optimizer step) is not a "
+                             f"multiple of train_micro_batch_size_per_gpu {json_micro} in {where}")
+        accumulation, accumulation_source = batch // json_micro, "--train_batch_size / train_micro_batch_size_per_gpu"
+    elif json_total is not None and json_micro is not None:
+        _, accumulation, _ = deepspeed_config.batch_arithmetic(config, world_size, where)  # DeepSpeed's reading
+        accumulation_source = f"train_batch_size / train_micro_batch_size_per_gpu / processes in {where}"
+    else:
+        accumulation, accumulation_source = 1, "the default"
+    config["gradient_accumulation_steps"] = accumulation
+    if batch is None and json_micro is None:
+        if json_total is None:
+            batch = 32  # NVIDIA's default of --train_batch_size
+        elif json_total % (accumulation * world_size):
+            raise InputError(f"train_batch_size {json_total} in {where} is not a multiple of {accumulation} "
+                             f"accumulation steps x {world_size} process(es)")
+        else:
+            config["train_micro_batch_size_per_gpu"] = json_total // (accumulation * world_size)  # DeepSpeed's reading
     if batch is not None:
-        if batch < 1:
-            raise InputError(f"--train_batch_size must be at least 1, got {batch}")
         if batch % accumulation:
             raise InputError(f"--train_batch_size {batch} (sequences per process and optimizer step) is not a "
                              f"multiple of gradient_accumulation_steps {accumulation}")
@@ -186,8 +213,18 @@ def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_
                              f"contradicts train_micro_batch_size_per_gpu {config['train_micro_batch_size_per_gpu']} "
                              f"in {where}: set one of them")
         config["train_micro_batch_size_per_gpu"] = micro
-    config.setdefault("train_batch_size", config["train_micro_batch_size_per_gpu"]
-                      * config["gradient_accumulation_steps"] * world_size)
+    flags_total = config["train_micro_batch_size_per_gpu"] * accumulation * world_size
+    if json_total is not None and json_total != flags_total:
+        # deepspeed_config.check would otherwise recompute the accumulation steps from the JSON's global batch.
+        if train_batch_size is not None:
+            per_process = f"--train_batch_size {train_batch_size}"
+        else:
+            per_process = (f"micro-batch {config['train_micro_batch_size_per_gpu']} (train_micro_batch_size_per_gpu "
+                           f"in {where}) x {accumulation} accumulation step(s) ({accumulation_source})")
+        raise InputError(f"train_batch_size {json_total} in {where} contradicts {per_process} x {world_size} "
+                         f"process(es) = {flags_total} sequences per optimizer step: make them agree, or leave "
+                         f"train_batch_size out of {where}")
+    config["train_batch_size"] = flags_total
     config.setdefault("gradient_clipping", 1.0)  # as NVIDIA's BertAdam (max_grad_norm 1.0)
     config.setdefault("steps_per_print", 10 ** 9)  # the loop logs
     # torch.optim.AdamW is an optimizer that ZeRO supports: no zero_allow_untested_optimizer needed.

@@ -48,3 +48,39 @@ def test_preflight_and_driver_report_one_error_type_with_one_text(tmp_path, cont
     with pytest.raises(DeepSpeedConfigError) as driver:
         run_pretraining.deepspeed_config_with_optimizer(str(path), 1, "lans")
     assert str(driver.value) == str(raised.value)
+
+
+# ZeRO offload puts the fp32 partitions on the CPU, where training/zero_partitions.py's all-reduce over the
+# data-parallel group fails under NCCL at the first step: the check refuses it before any work.
+@pytest.mark.parametrize("zero, named", [
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer.device cpu"),
+    ({"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+     "zero_optimization.offload_optimizer.device nvme"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}},
+     "zero_optimization.offload_param.device cpu"),
+    ({"stage": 2, "cpu_offload": True}, "zero_optimization.cpu_offload true"),
+])
+def test_zero_offload_is_refused_with_one_line(tmp_path, zero, named):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                                "zero_optimization": zero, "zero_allow_untested_optimizer": True}))
+    expected = (f"{path}: ZeRO offload is not supported by this repository ({named}): remove the offload setting "
+                '(or use device "none")')
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        deepspeed_config.load(path, world_size=1)
+    assert str(raised.value) == expected
+    with pytest.raises(DeepSpeedConfigError) as driver:
+        run_pretraining.deepspeed_config_with_optimizer(str(path), 1, "lans")
+    assert str(driver.value) == expected
+
+
+@pytest.mark.parametrize("zero", [
+    {"stage": 2},
+    {"stage": 2, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}},
+    {"stage": 1, "offload_optimizer": None, "cpu_offload": False},
+])
+def test_zero_without_offload_passes(tmp_path, zero):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                                "zero_optimization": zero, "zero_allow_untested_optimizer": True}))
+    assert deepspeed_config.load(path, world_size=2)["gradient_accumulation_steps"] == 1  # 8 = 4 x 1 x 2

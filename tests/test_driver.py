@@ -357,6 +357,8 @@ BAD_INPUTS = {
                                   "--json-summary's directory .*in_the_way exists and is not a directory"),
     "json_summary_is_a_directory": (None, {"json-summary": "."}, "--json-summary .* is a directory, not a file"),
     "unknown_optimizer": (None, {"optimizer": "sgd"}, "unknown --optimizer 'sgd': choose one of lans"),
+    "zero_offload": (None, {"ds": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}},
+                     "ds.json: ZeRO offload is not supported by this repository"),
     "dataset_smaller_than_a_batch": (None, {"ds": {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 128,
                                                    "gradient_accumulation_steps": 1}},
                                      "holds 20 samples, fewer than one global micro-batch \\(128\\)"),

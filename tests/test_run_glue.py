@@ -114,6 +114,74 @@ def test_train_batch_size_is_a_process_batch_per_optimizer_step(tmp_path):
         batch_settings(30, 4)
 
 
+# The batch keys of scripts/deepspeed_config_bert_tiny_cpu.json
+RECIPE_JSON = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 32}
+
+
+@pytest.mark.parametrize("json_batch, train_batch_size, accumulation, world_size, expected", [
+    # (micro, accumulation, global batch), worked out by hand: global = micro x accumulation x processes
+    (RECIPE_JSON, None, None, 1, (32, 2, 64)),  # DeepSpeed's reading: 64 / (32 x 1)
+    (RECIPE_JSON, None, None, 2, (32, 1, 64)),
+    (RECIPE_JSON, None, 2, 1, (32, 2, 64)),
+    (RECIPE_JSON, 64, None, 1, (32, 2, 64)),  # 64 per process = 32 x 2
+    (RECIPE_JSON, 32, None, 2, (32, 1, 64)),
+    ({"train_batch_size": 256}, 64, None, 4, (64, 1, 256)),
+    ({"train_batch_size": 256}, None, 4, 2, (32, 4, 256)),  # 256 / (4 x 2) sequences per micro-step
+    ({"train_micro_batch_size_per_gpu": 8}, 32, None, 1, (8, 4, 32)),
+    ({"bf16": {"enabled": True}}, 32, None, 2, (32, 1, 64)),  # the batch keys left out: the flags decide
+])
+def test_consistent_flags_and_json_give_the_batch_they_name(tmp_path, json_batch, train_batch_size, accumulation,
+                                                             world_size, expected):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(json_batch))
+    assert batch_settings(train_batch_size, accumulation, world_size, deepspeed_config=ds) == expected
+
+
+@pytest.mark.parametrize("json_batch, train_batch_size, accumulation, world_size, message", [
+    # The reviewer's cases, once silently trained at another batch: each names the JSON's value and the flags'.
+    (RECIPE_JSON, None, 4, 1, "train_batch_size 64 in {ds} contradicts micro-batch 32 (train_micro_batch_size_per_gpu "
+     "in {ds}) x 4 accumulation step(s) (--gradient_accumulation_steps) x 1 process(es) = 128 sequences per "
+     "optimizer step: make them agree, or leave train_batch_size out of {ds}"),
+    (RECIPE_JSON, None, 1, 1, "train_batch_size 64 in {ds} contradicts micro-batch 32 (train_micro_batch_size_per_gpu "
+     "in {ds}) x 1 accumulation step(s) (--gradient_accumulation_steps) x 1 process(es) = 32 sequences per "
+     "optimizer step: make them agree, or leave train_batch_size out of {ds}"),
+    ({"train_batch_size": 256}, 64, None, 1, "train_batch_size 256 in {ds} contradicts --train_batch_size 64 x 1 "
+     "process(es) = 64 sequences per optimizer step: make them agree, or leave train_batch_size out of {ds}"),
+    ({"train_batch_size": 256}, 64, None, 2, "train_batch_size 256 in {ds} contradicts --train_batch_size 64 x 2 "
+     "process(es) = 128 sequences per optimizer step: make them agree, or leave train_batch_size out of {ds}"),
+    (RECIPE_JSON, 32, None, 1, "train_batch_size 64 in {ds} contradicts --train_batch_size 32 x 1 process(es) = 32 "
+     "sequences per optimizer step: make them agree, or leave train_batch_size out of {ds}"),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}, None, None, 1,
+     "train_batch_size 16 in {ds} contradicts micro-batch 8 (train_micro_batch_size_per_gpu in {ds}) x 1 "
+     "accumulation step(s) (gradient_accumulation_steps in {ds}) x 1 process(es) = 8 sequences per optimizer "
+     "step: make them agree, or leave train_batch_size out of {ds}"),
+    ({"train_micro_batch_size_per_gpu": 8}, 30, None, 1, "--train_batch_size 30 (sequences per process and "
+     "optimizer step) is not a multiple of train_micro_batch_size_per_gpu 8 in {ds}"),
+    ({"train_batch_size": "64"}, 32, None, 1, "train_batch_size in {ds} must be a positive integer, got '64'"),
+])
+def test_a_json_batch_that_disagrees_with_the_flags_is_one_error(tmp_path, json_batch, train_batch_size,
+                                                                 accumulation, world_size, message):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(json_batch))
+    with pytest.raises(InputError) as raised:
+        batch_settings(train_batch_size, accumulation, world_size, deepspeed_config=ds)
+    assert str(raised.value) == message.format(ds=ds)
+
+
+def test_a_contradicting_json_batch_stops_the_cli_before_training(tmp_path, capsys):
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(RECIPE_JSON))
+    argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, train_batch_size=None,
+                     gradient_accumulation_steps=4, deepspeed=True, deepspeed_config=ds)
+    assert run_glue.cli(argv) == 1
+    assert one_error_line(capsys) == (
+        f"error: train_batch_size 64 in {ds} contradicts micro-batch 32 (train_micro_batch_size_per_gpu in {ds}) x 4 "
+        f"accumulation step(s) (--gradient_accumulation_steps) x 1 process(es) = 128 sequences per optimizer step: "
+        f"make them agree, or leave train_batch_size out of {ds}")
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
 def test_a_run_takes_train_batch_size_sequences_per_step_with_accumulation(tmp_path):
     """40 examples, one epoch, --train_batch_size 8 with 2 accumulation steps: 5 optimizer steps of 8 (a
     micro-batch of 8 would make 2 steps of 16)."""
