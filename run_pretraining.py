@@ -394,10 +394,13 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
     if tag is None:
         say(f"no checkpoint in {output_dir}: starting from scratch")
         return fresh
+    # (for an s3:// --output_dir, prepare() has already refused a tag the prefix lacks)
+    if resume_tag is not None and not (checkpoint_dir / tag).is_dir():
+        raise InputError(f"--resume_step {tag}: {output_dir} holds no checkpoint {tag}")
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, world, say=say)
-    if client["model_config"] != config.to_dict():
-        raise checkpointing.CheckpointError(f"checkpoint {tag} in {output_dir} is for another model config")
+    # The model config is checked before DeepSpeed loads anything, for a --resume_step tag too.
+    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, world,
+                                                       model_config=config.to_dict(), say=say)
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"])
     if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0

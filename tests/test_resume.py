@@ -354,6 +354,27 @@ def test_resume_with_another_model_config_is_refused(tmp_path, shards):
     assert (out / "latest").read_text() == "2"
 
 
+def test_resume_step_is_checked_before_deepspeed_loads(tmp_path, shards, capsys):
+    """--resume_step N used to go straight to DeepSpeed's load: a checkpoint of another model config ended in
+    its size-mismatch traceback instead of our error line. A tag that is not there is one error line too."""
+    config, out = ds_config(tmp_path, 0, False, 1), tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
+    other = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
+    other["intermediate_size"] = 256
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    cases = [(2, tmp_path / "other.json", f"error: checkpoint {out / '2'} is from another model config "
+                                          "(intermediate_size: checkpoint 512 vs run 256)"),
+             (7, helpers.TINY_MODEL_CONFIG, f"error: --resume_step 7: {out} holds no checkpoint 7")]
+    for step, model_config, expected in cases:
+        argv = driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=model_config, resume_step=step)
+        assert run_pretraining.cli([str(arg) for arg in argv]) == 1
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [expected]
+        assert "Traceback" not in err
+    assert (out / "latest").read_text() == "2"
+    assert not (out / "4").exists()
+
+
 def test_export_for_fine_tuning(tmp_path, shards):
     """`python -m training.checkpointing export` on a ZeRO-2 bf16 BERT checkpoint (tied decoder weight): the
     fp32 master weights, equal to DeepSpeed's own zero_to_fp32, load into a fine-tuning model."""

@@ -442,11 +442,14 @@ def _choose_among(output_dir, complete: list, broken: dict, latest: str | None) 
 
 
 def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: int, *,
-                    say=None) -> tuple[dict, dict | None]:
+                    model_config: dict | None = None, say=None) -> tuple[dict, dict | None]:
     """Collective (DeepSpeed's load is). Loads everything checkpoint <output_dir>/<tag> holds into engine:
     weights, optimizer state, LR scheduler and DeepSpeed's step counters. Returns (client_state, rank_state).
     global_rank, world_size: this process's in the data-parallel process group (dist.get_rank(),
     dist.get_world_size()); a world size other than the manifest's means a resume on another world size.
+    model_config: this run's (a dict), or None not to check it. A checkpoint saved with another one is
+    refused with a CheckpointError naming the differing keys, before anything is loaded (DeepSpeed's own
+    load would stop with a size-mismatch traceback, or load a same-shaped model of another config).
 
     Callers that want less than everything adjust afterwards: phase 2 from a phase-1 checkpoint loads it
     whole, then resets the step counters and the scheduler; --init_checkpoint does not come here (it reads
@@ -460,6 +463,7 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: 
     manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
+    _check_compatible(tag_dir, manifest, model_config)
     other_world = manifest["world_size"] != world_size
     if other_world:
         _check_repartition_possible(tag_dir, manifest, engine, world_size)
