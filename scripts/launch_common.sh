@@ -261,7 +261,7 @@ launch_ranks() {
 }
 
 # Run the launcher; SIGTERM/SIGINT to this script (e.g. a scheduler signalling only PID 1) are passed on to
-# the ranks, which finish their step, save a checkpoint and exit 0; this script then exits 0.
+# the ranks, which finish their step, save a checkpoint and exit 0. Returns the runner's status (0 then).
 # - One node: the local ranks (children of deepspeed.launcher.launch) are signalled directly. The deepspeed
 #   runner forwards nothing itself, and deepspeed.launcher.launch answers a signal by terminating the ranks
 #   and exiting 1.
@@ -270,8 +270,9 @@ launch_ranks() {
 #   launchers, which SIGKILL their ranks 30 s later (launch.py, terminate_process_tree), cutting a long
 #   step or save, and the ranks' output would go to a closed ssh connection.
 # - Before any rank exists (start-up): the runner and its children are signalled; nothing is saved and this
-#   script exits non-zero (the runner's status, 143 when the signal killed it).
-# The trap stays armed: a signal that arrives while the ranks start is acted on like the first one.
+#   status is non-zero (the runner's, 143 when the signal killed it).
+# The trap stays armed until the runner ends: a signal that arrives while the ranks start is acted on like
+# the first one.
 run_forwarding_signals() {
     trap forward_stop_request TERM INT
     "$@" &
@@ -282,7 +283,8 @@ run_forwarding_signals() {
         status=0
         wait "$RUNNER_PID" || status=$?
     done
-    exit "$status"
+    trap - TERM INT
+    return "$status"
 }
 
 forward_stop_request() {

@@ -21,9 +21,13 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 # shellcheck disable=SC1091
 source scripts/setup_venv.sh
+phase_requested="${PHASE:-1}"
+# shellcheck source=scripts/launch_common.sh
+source scripts/launch_common.sh  # run_forwarding_signals; it sets PHASE=1, which the demo takes from the environment
+NUM_NODES=1
 
 RESULTS_DIR="${RESULTS_DIR:-$repo_root/results/bert_tiny}"
-PHASE="${PHASE:-1}"
+PHASE="$phase_requested"
 LEARNING_RATE="${LEARNING_RATE:-0.02}"
 DATA_WORK_DIR="$RESULTS_DIR/data"
 case "$PHASE" in
@@ -86,7 +90,7 @@ command=(deepspeed --num_gpus 2 --no_local_rank --master_port "${MASTER_PORT:-29
          --max_predictions_per_seq "$max_pred" --seed 12439 --learning_rate "$LEARNING_RATE" --warmup_proportion 0.1
          --max_steps "$MAX_STEPS" --num_steps_per_checkpoint 60 --log_freq 10 ${run_args[@]+"${run_args[@]}"})
 echo "${command[*]}"
-"${command[@]}"
+run_forwarding_signals "${command[@]}"  # SIGTERM or Ctrl-C: the ranks save a checkpoint and exit 0
 
 python - "$JSON_SUMMARY" <<'PY'
 import json, math, sys

@@ -1,11 +1,15 @@
 """The README's main command, scripts/run_bert_tiny_cpu.sh, end to end: the offline data pipeline on the
 committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher (ZeRO-1, bf16, LANS).
 The demo is deterministic, so its losses must be the ones the documentation quotes."""
+import contextlib
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,6 +71,30 @@ def run_demo(tmp_path, **settings):
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
+
+
+def sigterm_demo_once_training(tmp_path, **settings) -> subprocess.CompletedProcess:
+    """run_demo's command, SIGTERM to the script itself at its first logged training window; its status and
+    output (stdout and stderr together)."""
+    env = dict(helpers.checkout_env(), VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"),
+               MASTER_PORT=str(helpers.free_port()), **settings)
+    process = subprocess.Popen(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    guard = threading.Timer(600, os.killpg, (process.pid, signal.SIGKILL))  # hang guard only
+    guard.start()
+    try:
+        output = []
+        for line in process.stdout:
+            output.append(line)
+            if "Training Iteration" in line:
+                process.send_signal(signal.SIGTERM)
+                break
+        output.extend(process.stdout)
+        return subprocess.CompletedProcess(process.args, process.wait(), "".join(output))
+    finally:
+        guard.cancel()
+        with contextlib.suppress(ProcessLookupError):  # whatever is left if an assertion failed
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def tensorboard_scalars(directory, tag) -> list:
@@ -135,3 +163,14 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     assert [r["step"][1] for r in steps] == [10]
     assert math.isfinite(steps[0]["data"]["average_loss"]) and steps[0]["data"]["average_loss"] < windows[0]
     assert (phase2 / "loss.png").exists() and tensorboard_scalars(phase2 / "tensorboard", "Train/average_loss")
+
+    # SIGTERM to the demo's script alone (as a scheduler sends it) once phase 1 trains again: the ranks save
+    # a checkpoint and exit 0, and the demo still prints its summary. Formerly the script died at once (143)
+    # and left its ranks running, with nothing saved.
+    stopped = sigterm_demo_once_training(tmp_path, MAX_STEPS="1000")
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    summary = [r["data"] for r in helpers.read_dllogger(results / "dllogger.json")
+               if r["type"] == "LOG" and r["step"] == []][-1]
+    assert summary["stopped_by_signal"] is True and 140 <= summary["global_step"] < 1000
+    assert (results / "checkpoints" / "latest").read_text().strip() == str(summary["global_step"])
+    assert "== summary" in stopped.stdout
