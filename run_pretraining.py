@@ -208,6 +208,10 @@ def validate_args(args, world_size: int) -> tuple:
             raise InputError(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if args.steps_this_run != -1 and args.steps_this_run < 1:  # 0 used to mean "no limit" silently
         raise InputError(f"--steps_this_run must be -1 (no limit) or at least 1, got {args.steps_this_run}")
+    if args.resume_step < -1:  # used to mean "the latest" silently
+        raise InputError(f"--resume_step must be -1 (the latest) or a checkpoint's step, got {args.resume_step}")
+    if args.resume_step != -1 and not args.resume_from_checkpoint:  # used to start afresh silently
+        raise InputError(f"--resume_step {args.resume_step} needs --resume_from_checkpoint")
     if not args.collective_timeout_s > 0:
         raise InputError(f"--collective_timeout_s must be positive, got {args.collective_timeout_s}")
     if not args.data_memory_budget_mb > 0:

@@ -377,6 +377,11 @@ BAD_INPUTS = {
                             r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got 0$"),
     "negative_steps_this_run": (None, {"steps_this_run": -2},
                                 r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got -2$"),
+    # -5 used to resume from the latest checkpoint, and a step without --resume_from_checkpoint to start afresh
+    "negative_resume_step": (None, {"resume_step": -5, "resume_from_checkpoint": True},
+                             r"^error: --resume_step must be -1 \(the latest\) or a checkpoint's step, got -5$"),
+    "resume_step_without_resume": (None, {"resume_step": 4},
+                                   r"^error: --resume_step 4 needs --resume_from_checkpoint$"),
 }
 
 
