@@ -537,3 +537,18 @@ def test_export_cli_errors_in_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip() == f"error: no checkpoint in {tmp_path / 'none'}"
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_a_flat_range_is_read_from_the_pieces_that_overlap_it():
+    """_read_flat_range (the re-partitioning's reader) against slicing the whole concatenation, for every
+    range of random piece lengths (some empty, as a rank holding padding only), including ranges that
+    cross several pieces."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 0, 1, 7, 3, 0, 4]
+    pieces = [torch.randn(n, generator=generator) for n in lengths]
+    whole = torch.cat(pieces)
+    for start in range(whole.numel()):
+        for end in range(start, whole.numel() + 1):
+            out = torch.full((end - start,), float("nan"))
+            checkpointing._read_flat_range(pieces, start, out)
+            assert torch.equal(out, whole[start:end]), (start, end)

@@ -520,12 +520,13 @@ def _deepspeed_checkpoint_classes() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-def _load_weights_only(path, map_location="cpu"):
+def _load_weights_only(path, map_location="cpu", mmap: bool = False):
     """torch.load(weights_only=True) with DeepSpeed's three classes allowed. A file needing anything
-    else is refused with the names of the classes it wants."""
+    else is refused with the names of the classes it wants. mmap: tensors map the file, and only the
+    pages a reader touches are read (and shared with the host's other ranks through the page cache)."""
     with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             wanted = torch.serialization.get_unsafe_globals_in_checkpoint(path)
             raise CheckpointError(f"{path}: refusing to unpickle {wanted} (only tensors, plain data and "
@@ -744,9 +745,9 @@ _FP32_PARTITIONS = "single_partition_of_fp32_groups"
 _BASE_STATE = "base_optimizer_state"
 
 
-def _load_partition_states(partition_files: list) -> list:
+def _load_partition_states(partition_files: list, mmap: bool = False) -> list:
     """Every rank's ZeRO-1/2 optimizer state dict, in rank order, checked to be all of them."""
-    states = [_load_weights_only(path)["optimizer_state_dict"] for path in partition_files]
+    states = [_load_weights_only(path, mmap=mmap)["optimizer_state_dict"] for path in partition_files]
     counts = states[0]["partition_count"]
     if max(counts if isinstance(counts, list) else [counts]) != len(states):
         raise CheckpointError(f"{partition_files[0].parent}: {len(states)} optimizer partition files, "
@@ -754,21 +755,38 @@ def _load_partition_states(partition_files: list) -> list:
     return states
 
 
-def _split_group(states: list, group: int, shapes: dict, pieces: list) -> dict:
+def _param_offsets(states: list, group: int, shapes: dict, pieces: list) -> list:
     """ZeRO-1/2 layout: a param group is one flat vector cut in contiguous per-rank pieces
     (`pieces`, in rank order); parameters lie in it in param_shapes order, each followed by
-    its alignment padding (if any). Returns {name: full tensor}."""
-    flat = torch.cat(pieces)
+    its alignment padding (if any). Returns where each parameter starts in that vector."""
     paddings = states[0].get("param_alignment_paddings")
-    values, offset = {}, 0
-    for index, (name, shape) in enumerate(shapes.items()):
-        numel = math.prod(shape)
-        values[name] = flat[offset:offset + numel].view(shape).clone()
-        offset += numel + (paddings[group][index] if paddings else 0)
-    if offset > flat.numel():
-        raise CheckpointError(f"group {group} of the checkpoint needs {offset} values, "
-                              f"its partitions hold {flat.numel()}")
-    return values
+    offsets, offset = [], 0
+    for index, shape in enumerate(shapes.values()):
+        offsets.append(offset)
+        offset += math.prod(shape) + (paddings[group][index] if paddings else 0)
+    held = sum(piece.numel() for piece in pieces)
+    if offset > held:
+        raise CheckpointError(f"group {group} of the checkpoint needs {offset} values, its partitions hold {held}")
+    return offsets
+
+
+def _split_group(states: list, group: int, shapes: dict, pieces: list) -> dict:
+    """{name: full tensor} of a param group (see _param_offsets): every parameter, for an export."""
+    flat = torch.cat(pieces)
+    return {name: flat[offset:offset + math.prod(shape)].view(shape).clone()
+            for offset, (name, shape) in zip(_param_offsets(states, group, shapes, pieces), shapes.items())}
+
+
+def _read_flat_range(pieces: list, start: int, out: torch.Tensor) -> None:
+    """Copy values start .. start + out.numel() of the concatenation of `pieces` into `out` (1-D),
+    reading only the pieces that overlap them."""
+    end, piece_start = start + out.numel(), 0
+    for piece in pieces:
+        piece_end = piece_start + piece.numel()
+        low, high = max(start, piece_start), min(end, piece_end)
+        if low < high:
+            out.narrow(0, low - start, high - low).copy_(piece.reshape(-1).narrow(0, low - piece_start, high - low))
+        piece_start = piece_end
 
 
 @torch.no_grad()
@@ -776,10 +794,12 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
     """Fill this rank's ZeRO-1/2 partitions from a checkpoint written by another number of ranks: the
     fp32 master weights and every partitioned optimizer state tensor (LANS/Adam moments) are put
     together per parameter from all saved partitions, then cut along this run's partitions (DeepSpeed's
-    own metadata, training/zero_partitions.py); per-group values (the step, hyperparameters) are copied."""
+    own metadata, training/zero_partitions.py); per-group values (the step, hyperparameters) are copied.
+    The files are mapped, not read whole: each rank reads only the slices its partition takes (a restart
+    of the 5B on fewer servers would otherwise hold every rank's state in every rank)."""
     from training import zero_partitions
-    states = _load_partition_states(_partition_files(tag_dir))
-    param_shapes = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt")["param_shapes"]
+    states = _load_partition_states(_partition_files(tag_dir), mmap=True)
+    param_shapes = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt", mmap=True)["param_shapes"]
     parts = zero_partitions.group_partitions(engine.optimizer)
     client = engine.optimizer.optimizer
     if not all(isinstance(state[_BASE_STATE], dict) for state in states):
@@ -791,8 +811,9 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
     for group, (part, shapes) in enumerate(zip(parts, param_shapes)):
         saved = [state[_BASE_STATE]["state"].get(group, {}) for state in states]
         target = client.state[part.flat]
-        fp32_weights = _split_group(states, group, shapes, [state[_FP32_PARTITIONS][group] for state in states])
-        _fill_fragments(part, fp32_weights, part.flat)
+        fp32_pieces = [state[_FP32_PARTITIONS][group] for state in states]
+        offsets = _param_offsets(states, group, shapes, fp32_pieces)
+        _fill_fragments(part, offsets, fp32_pieces, part.flat)
         for key, value in saved[0].items():
             # DeepSpeed saves the fp32 partitions without the last rank's end padding, the states with it.
             partitioned = all(torch.is_tensor(s[key]) and s[key].dim() == 1 and s[key].numel() ==
@@ -800,20 +821,19 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
                               for s, state in zip(saved, states))
             if partitioned:
                 target[key] = torch.zeros_like(part.flat)
-                _fill_fragments(part, _split_group(states, group, shapes, [s[key] for s in saved]), target[key])
+                _fill_fragments(part, offsets, [s[key] for s in saved], target[key])
             else:
                 target[key] = value.to(part.flat.device) if torch.is_tensor(value) else value
         saved_group = states[0][_BASE_STATE]["param_groups"][group]
         client.param_groups[group].update({k: v for k, v in saved_group.items() if k != "params"})
 
 
-def _fill_fragments(part, values: dict, flat: torch.Tensor) -> None:
-    """Copy the pieces of the full per-parameter `values` (in the group's order) that this rank holds
-    into `flat`, shaped like its partition."""
-    ordered = list(values.values())
+def _fill_fragments(part, offsets: list, pieces: list, flat: torch.Tensor) -> None:
+    """Copy the parts of the saved group (the concatenation of `pieces`, parameters at `offsets`) that
+    this rank holds into `flat`, shaped like its partition."""
     for fragment in part.fragments:
-        piece = ordered[fragment.index].reshape(-1).narrow(0, fragment.param_start, fragment.numel)
-        flat.narrow(0, fragment.partition_start, fragment.numel).copy_(piece)
+        _read_flat_range(pieces, offsets[fragment.index] + fragment.param_start,
+                         flat.narrow(0, fragment.partition_start, fragment.numel))
 
 
 def export_main(argv=None) -> int:
