@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from common.deepspeed_config import offload_sections
 from modeling import BertConfig
 from training import sizing
 
@@ -40,6 +41,10 @@ def plan(args) -> tuple:
     ds_config = json.loads(Path(args.deepspeed_config).read_text())
     if "train_micro_batch_size_per_gpu" not in ds_config:
         raise ValueError(f"{args.deepspeed_config}: train_micro_batch_size_per_gpu is not set")
+    offloaded = offload_sections(ds_config.get("zero_optimization", {}))
+    if offloaded:  # run_pretraining.py refuses it too
+        raise ValueError(f"{args.deepspeed_config}: ZeRO offload ({', '.join(offloaded)}) is not supported by this "
+                         "repository, so not planned")
     for name in ("world_size", "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")

@@ -150,3 +150,10 @@ def test_plan_memory_cli_bad_input_is_one_line(tmp_path, capsys):
     code, _, error = plan_memory(capsys, "--config", SCRIPTS / "bert_5b_config.json", "--deepspeed_config",
                        SCRIPTS / "deepspeed_config_bert_5b.json", "--world_size", 0)
     assert code == 1 and "--world_size must be at least 1" in error
+    offload = tmp_path / "offload.json"
+    offload.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    code, _, error = plan_memory(capsys, "--config", SCRIPTS / "bert_5b_config.json", "--deepspeed_config", offload,
+                                 "--world_size", 8)
+    assert code == 1 and error == (f"error: {offload}: ZeRO offload (zero_optimization.offload_optimizer.device cpu) "
+                                   "is not supported by this repository, so not planned\n")
