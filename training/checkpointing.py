@@ -791,12 +791,12 @@ def _read_flat_range(pieces: list, start: int, out: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
-    """Fill this rank's ZeRO-1/2 partitions from a checkpoint written by another number of ranks: the
-    fp32 master weights and every partitioned optimizer state tensor (LANS/Adam moments) are put
-    together per parameter from all saved partitions, then cut along this run's partitions (DeepSpeed's
-    own metadata, training/zero_partitions.py); per-group values (the step, hyperparameters) are copied.
-    The files are mapped, not read whole: each rank reads only the slices its partition takes (a restart
-    of the 5B on fewer servers would otherwise hold every rank's state in every rank)."""
+    """Fill this rank's ZeRO-1/2 partitions from a checkpoint written by another number of ranks: each
+    fragment of this run's partitions (DeepSpeed's own metadata, training/zero_partitions.py) of the fp32
+    master weights and of every partitioned optimizer state tensor (LANS/Adam moments) is copied from the
+    saved partitions that overlap it; per-group values (the step, hyperparameters) are copied. The files
+    are mapped, not read whole: each rank reads only the slices it keeps (a restart of the 5B on fewer
+    servers would otherwise hold every rank's state in every rank)."""
     from training import zero_partitions
     states = _load_partition_states(_partition_files(tag_dir), mmap=True)
     param_shapes = _load_weights_only(tag_dir / "mp_rank_00_model_states.pt", mmap=True)["param_shapes"]
