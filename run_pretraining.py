@@ -515,6 +515,7 @@ class Run:
     criterion: BertPretrainingCriterion
     clock: Callable[[], float]  # time.perf_counter; a parameter of main, so a test can fake it
     all_reduce: Callable[[torch.Tensor], object]  # dist.all_reduce; a test stands in for other ranks with its own
+    all_gather_object: Callable[[list, object], object]  # dist.all_gather_object (rare: shards skipped somewhere)
     device: torch.device
     logger: "dllogger.Logger"  # runtime.build_logger: dllogger's, or dllogger_fallback's without the package
     micro_batch: int
@@ -582,13 +583,15 @@ class StepResult:
     last_micro_loss: float
     finite: bool             # every rank's loss was finite and DeepSpeed did not skip the step
     stop_requested: bool     # some rank received SIGTERM/SIGINT
-    skipped_shards: tuple    # shards dropped by --skip_bad_shards so far
+    skipped_shards: tuple    # shards this rank has dropped by --skip_bad_shards so far
+    shards_newly_skipped: bool  # some rank dropped a shard in this step: the ranks must agree on the list
     next_position: int       # stream position after this step's last global micro-batch
 
 
-def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
+def train_step(run: Run, batches, stop_event, profiler, agreed_skipped_shards=()) -> StepResult:
     """GAS micro-batches: forward, backward, engine.step() (on an HPU in lazy mode with the reference's
-    mark_steps, run.graph_breaks); the ranks agree on skip/stop before the update."""
+    mark_steps, run.graph_breaks); the ranks agree on skip/stop before the update. agreed_skipped_shards:
+    the shards every rank had dropped before this step."""
     engine, losses = run.engine, []
     skipped_before = engine.skipped_steps
     for micro in range(run.gas):
@@ -605,8 +608,9 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
         run.graph_breaks.after_backward()
         losses.append(loss.detach().float())
         if micro == run.gas - 1:
-            nonfinite, stop, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(), run.device,
-                                                           run.all_reduce)
+            newly_skipped = len(batch.skipped_shards) > len(agreed_skipped_shards)
+            nonfinite, stop, newly_skipped, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(),
+                                                                          newly_skipped, run.device, run.all_reduce)
             learning_rate = run.optimizer.param_groups[0]["lr"]
         with optimizer_step_suppressed(run.optimizer) if micro == run.gas - 1 and nonfinite else nullcontext():
             engine.step()
@@ -616,17 +620,36 @@ def train_step(run: Run, batches, stop_event, profiler) -> StepResult:
     local_loss = float(torch.stack(losses).mean())
     finite = not nonfinite and engine.skipped_steps == skipped_before
     return StepResult(learning_rate, local_loss, loss_sum / run.world, float(losses[-1]), finite, stop,
-                      batch.skipped_shards, batch.next_position)
+                      batch.skipped_shards, newly_skipped, batch.next_position)
 
 
-def agree_across_ranks(losses: torch.Tensor, stop_local: bool, device: torch.device,
+def agree_across_ranks(losses: torch.Tensor, stop_local: bool, skipped_local: bool, device: torch.device,
                        all_reduce: Callable[[torch.Tensor], object]) -> tuple:
-    """One all-reduce per optimizer step: (any rank non-finite, any rank asked to stop, sum of mean losses)."""
-    stats = torch.stack([(~torch.isfinite(losses)).any().float(), torch.tensor(float(stop_local), device=device),
-                         torch.nan_to_num(losses.mean(), nan=0.0, posinf=0.0, neginf=0.0)])
+    """One all-reduce per optimizer step: (any rank non-finite, any rank asked to stop, any rank dropped a
+    shard, sum of mean losses)."""
+    flags = torch.tensor([float(stop_local), float(skipped_local)], device=device)
+    stats = torch.cat([(~torch.isfinite(losses)).any().float().reshape(1), flags,
+                       torch.nan_to_num(losses.mean(), nan=0.0, posinf=0.0, neginf=0.0).reshape(1)])
     all_reduce(stats)
-    nonfinite, stop, loss_sum = stats.tolist()
-    return nonfinite > 0, stop > 0, loss_sum
+    nonfinite, stop, skipped, loss_sum = stats.tolist()
+    return nonfinite > 0, stop > 0, skipped > 0, loss_sum
+
+
+def agree_on_skipped_shards(run: Run, state: TrainState, result: StepResult, batches: RankBatches) -> None:
+    """Some rank dropped a shard in this step (--skip_bad_shards): every rank drops the union of the ranks'
+    lists from the next step on, so that the ranks keep slicing one stream (and the checkpoint, written by
+    rank 0, holds every rank's list). The rank that met the bad shard read the rest of this step without it."""
+    lists = [None] * run.world
+    run.all_gather_object(lists, list(result.skipped_shards))
+    agreed = sorted(set(state.skipped_shards).union(*lists))
+    for name in agreed:
+        if name not in state.skipped_shards:
+            ranks = ", ".join(str(rank) for rank, names in enumerate(lists) if name in names)
+            run.say(f"step {state.global_step}: shard {name} could not be read on rank(s) {ranks} "
+                    f"(--skip_bad_shards): every rank drops it from sample {result.next_position} on")
+    if agreed != sorted(result.skipped_shards):
+        batches.restart(result.next_position, agreed)
+    state.skipped_shards = agreed
 
 
 # ============================================================================ the loop
@@ -639,13 +662,14 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     while state.global_step < run.max_steps and steps_done < run.steps_this_run:
         # ---------------------------------------------------------------- step
         step_started = clock()
-        result = train_step(run, batches, stop_event, profiler)
+        result = train_step(run, batches, stop_event, profiler, state.skipped_shards)
         if run.log_first_step_time and steps_done == 0:
             runtime.log_first_step(run.logger, say, clock() - step_started)
         state.global_step += 1
         steps_done += 1
         state.samples_consumed = result.next_position
-        state.skipped_shards = list(result.skipped_shards)
+        if result.shards_newly_skipped:
+            agree_on_skipped_shards(run, state, result, batches)
         window.record(result)
         progress.update(1)
         # ---------------------------------------------------------------- non-finite loss
@@ -759,8 +783,10 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
                           shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files)
+    state.skipped_shards = list(reader.skipped_shards)  # names (checkpoints before 2026-11-27 held paths)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
     run = Run(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
+              all_gather_object=dist.all_gather_object,
               device=device,
               logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len, model_config=model_config,
               say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,

@@ -44,11 +44,11 @@ _BYTES_PER_ELEMENT = 8
 
 
 class BadShardRows(ShardError):
-    """Rows of one shard cannot be read or hold out-of-range values; `path` names the shard."""
+    """Rows of one shard cannot be read or hold out-of-range values; `shard` is the ShardInfo."""
 
-    def __init__(self, path, message):
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
+    def __init__(self, shard, message):
+        super().__init__(f"{shard.path}: {message}")
+        self.shard = shard
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: 
         with h5py.File(local_path, "r") as f:
             arrays = {key: f[key][first:end] for key in SHARD_KEYS}
     except (OSError, KeyError) as err:
-        raise BadShardRows(shard.path, f"cannot read samples {first}..{end - 1}: {err}") from err
+        raise BadShardRows(shard, f"cannot read samples {first}..{end - 1}: {err}") from err
     seq_len = arrays["input_ids"].shape[1]
     checks = (("input_ids", vocab_size, "token id"), ("masked_lm_ids", vocab_size, "masked token id"),
               ("masked_lm_positions", seq_len, "masked position"))
@@ -192,7 +192,7 @@ def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: 
         bad = np.argwhere((arrays[key] < 0) | (arrays[key] >= limit))
         if len(bad):
             row, col = bad[0]
-            raise BadShardRows(shard.path, f"sample {first + row}: {what} {arrays[key][row, col]} "
+            raise BadShardRows(shard, f"sample {first + row}: {what} {arrays[key][row, col]} "
                                            f"outside [0, {limit})")
     return arrays
 
@@ -202,7 +202,9 @@ class WindowReader:
 
     With skip_bad_shards, a shard that fails to read or validate is dropped from the stream (the
     layout is recomputed without it from that point on, so that epoch may repeat or miss samples);
-    the dropped paths are in `skipped_shards` and must be passed back on resume.
+    the names of the dropped shards are in `skipped_shards` and must be passed back on resume. Names, not
+    paths: every host drops the same shards wherever its copy of the data lives. (Checkpoints from before
+    held paths; their last component is the name.)
     shard_files: where the shards live (default: local files, see LocalShardFiles).
     """
 
@@ -211,11 +213,12 @@ class WindowReader:
         self.all_shards, self.seed, self.window_size = list(shards), seed, window_size
         self.shard_files = shard_files or LocalShardFiles(".")
         self.vocab_size, self.shuffle, self.skip_bad_shards = vocab_size, shuffle, skip_bad_shards
-        self.skipped_shards = [str(p) for p in skipped_shards]
-        self._rebuild_stream()
+        self.skip_shards(skipped_shards)
 
-    def _rebuild_stream(self):
-        kept = [s for s in self.all_shards if str(s.path) not in self.skipped_shards]
+    def skip_shards(self, names) -> None:
+        """Drop these shards (names or paths) from the stream: its layout is recomputed without them."""
+        self.skipped_shards = [str(name).rsplit("/", 1)[-1] for name in names]
+        kept = [s for s in self.all_shards if s.name not in self.skipped_shards]
         self.stream = SampleStream(kept, self.seed, self.window_size, self.shuffle)
         self._window_key, self._window = None, None
 
@@ -248,8 +251,7 @@ class WindowReader:
             except BadShardRows as err:
                 if not self.skip_bad_shards:
                     raise
-                self.skipped_shards.append(err.path)
-                self._rebuild_stream()
+                self.skip_shards([*self.skipped_shards, err.shard.name])
 
     def _read_positions(self, start: int, count: int) -> dict:
         parts, position, end = [], start, start + count
@@ -291,9 +293,11 @@ class RankBatches:
         self.reader, self.rank, self.micro_batch = reader, rank, micro_batch
         self.global_batch = micro_batch * world_size  # may exceed an epoch: it then wraps into the next ones
         self._queue = queue.Queue(maxsize=prefetch)
+        self._start(start_position)
+
+    def _start(self, position: int) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(start_position,), daemon=True,
-                                        name="batch-prefetch")
+        self._thread = threading.Thread(target=self._produce, args=(position,), daemon=True, name="batch-prefetch")
         self._thread.start()
 
     def _make(self, position: int) -> MicroBatch:
@@ -303,6 +307,16 @@ class RankBatches:
         return MicroBatch(to_batch(arrays), position, position + self.global_batch,
                           stream.epoch_of(position), stream.epoch_of(last) != stream.epoch_of(position),
                           tuple(self.reader.skipped_shards))
+
+    def restart(self, position: int, skipped_shards) -> None:
+        """Discard the micro-batches prepared so far and go on from `position` with the reader's stream
+        without `skipped_shards` (the shards every rank has agreed to drop)."""
+        self._stop.set()
+        self._thread.join()  # no timeout: a thread still reading could change the reader's stream after this
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self.reader.skip_shards(skipped_shards)
+        self._start(position)
 
     def _produce(self, position: int):
         while not self._stop.is_set():

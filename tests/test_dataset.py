@@ -174,8 +174,32 @@ def test_skip_bad_shards_drops_and_counts_the_shard(tmp_path):
         batch = next(iterator)
         uids.extend(helpers.sample_uid(batch.tensors[0]))
     iterator.close()
-    assert batch.skipped_shards == (str(paths[1]),)
+    assert batch.skipped_shards == (paths[1].name,)
     assert set(uids) == set(range(8)) | set(range(16, 24))
+
+
+def test_restart_goes_on_from_a_position_without_the_agreed_shards(tiny_shards):
+    """RankBatches.restart (every rank drops the shards some rank could not read): the batches after it are
+    those of a fresh reader built without those shards, started at that position; nothing prepared before
+    the restart (the queue is full by then) comes out. A checkpoint's list may name a shard by its path."""
+    shards, _, _ = scan_shards(tiny_shards)
+    dropped = shards[1]
+    iterator = RankBatches(make_readers(tiny_shards, 2, 7)[1], 1, 2, 4, 0)
+    next(iterator), next(iterator)
+    for _ in range(100):  # let the background thread fill its queue with batches of the old layout
+        if iterator._queue.full():
+            break
+        iterator._thread.join(timeout=0.05)
+    assert iterator._queue.full()
+    iterator.restart(24, [dropped.name])
+    restarted = [helpers.sample_uid(next(iterator).tensors[0]) for _ in range(6)]
+    iterator.close()
+    fresh_reader = make_readers(tiny_shards, 1, 7, skipped_shards=[str(dropped.path)])[0]
+    fresh = RankBatches(fresh_reader, 1, 2, 4, 24)
+    expected = [helpers.sample_uid(next(fresh).tensors[0]) for _ in range(6)]
+    fresh.close()
+    assert restarted == expected
+    assert not set(range(24, 64)) & set(sum(restarted, []))  # shard 1 holds samples 24..63
 
 
 def test_prefetcher_stays_ahead_and_stops(tiny_shards):

@@ -698,12 +698,15 @@ class RecordingCriterion(BertPretrainingCriterion):
         return loss
 
 
-@pytest.mark.parametrize("other_rank", [(0.0, 0.0, 2.5), (1.0, 0.0, 0.0), (0.0, 1.0, 9.0)],
-                         ids=["finite", "other_rank_non_finite", "other_rank_stop_request"])
+@pytest.mark.parametrize("other_rank", [(0.0, 0.0, 0.0, 2.5), (1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 9.0),
+                                       (0.0, 0.0, 1.0, 2.5)],
+                         ids=["finite", "other_rank_non_finite", "other_rank_stop_request",
+                              "other_rank_skipped_a_shard"])
 def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, other_rank):
     """train_step as rank 0 of a world of 2: the all-reduce adds what a second rank sends ([non-finite flag,
-    stop flag, its mean loss]); the step's mean loss must be (this rank's mean + the other's) / 2, a
-    non-finite loss on the other rank must skip the update here, and its stop request must stop this rank."""
+    stop flag, shard-skipped flag, its mean loss]); the step's mean loss must be (this rank's mean + the
+    other's) / 2, a non-finite loss on the other rank must skip the update here, its stop request must stop
+    this rank, and a shard it dropped must be reported for the ranks to agree on."""
     import deepspeed
 
     from data.dataset import RankBatches, WindowReader, scan_shards
@@ -735,11 +738,12 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, other_ra
     finally:
         batches.close()
     local = sum(criterion.losses) / 2
-    assert len(reduced) == 1 and reduced[0].tolist() == pytest.approx([0.0, 0.0, local], rel=1e-6)
+    assert len(reduced) == 1 and reduced[0].tolist() == pytest.approx([0.0, 0.0, 0.0, local], rel=1e-6)
     assert result.local_loss == pytest.approx(local, rel=1e-6)
-    assert result.mean_loss == pytest.approx((local + other_rank[2]) / 2, rel=1e-6)
+    assert result.mean_loss == pytest.approx((local + other_rank[3]) / 2, rel=1e-6)
     assert result.finite == (other_rank[0] == 0)
     assert result.stop_requested == (other_rank[1] == 1)
+    assert result.shards_newly_skipped == (other_rank[2] == 1)
     updated = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     assert updated == result.finite
 

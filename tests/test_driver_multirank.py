@@ -2,6 +2,9 @@
 
 import json
 import math
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +59,59 @@ def test_data_parallel_equivalence(tmp_path, tiny_shards, stage, optimizer):
     double = [r["data"]["all_ranks_average_loss"] for r in helpers.step_records(tmp_path / "two.log")]
     assert len(single) == len(double) == 4
     assert max(abs(a - b) for a, b in zip(single, double)) < 1e-5, (single, double)
+
+
+def run_ranks_with_own_argv(argvs, timeout=600) -> list:
+    """One `python run_pretraining.py argv` per rank, with the rank variables the launcher would set: unlike
+    the launcher, this lets each rank have its own flags (here, its own copy of the data)."""
+    port, procs = helpers.free_port(), []
+    for rank, argv in enumerate(argvs):
+        env = helpers.launcher_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(argvs)),
+                                   LOCAL_SIZE=str(len(argvs)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"),
+                                       *map(str, argv)], cwd=helpers.REPO_ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-3000:]
+    return outputs
+
+
+def test_a_shard_bad_on_one_host_only_is_dropped_by_every_rank(tmp_path):
+    """--skip_bad_shards when only rank 1's copy of a shard is corrupt (as when one server's disk or download
+    went bad): every rank must drop it after that step, or the ranks slice different streams and rank 0's
+    checkpoint forgets the shard. Checked by resuming from a checkpoint after the failure with both copies
+    intact: the resumed steps must equal the uninterrupted run's, which only holds when both ranks of the
+    uninterrupted run read the stream without that shard, and the checkpoint says so."""
+    import shutil
+
+    from data.dataset import SampleStream, scan_shards
+    clean, bad_copy = tmp_path / "host0", tmp_path / "host1"
+    helpers.write_synthetic_shards(clean, [24, 40, 17])
+    helpers.write_synthetic_shards(bad_copy, [24, 40, 17])
+    shards, _, _ = scan_shards(clean)
+    last_of_epoch_0 = shards[SampleStream(shards, 42, window_size=1).shard_order(0)[-1]].name
+    helpers.corrupt_first_chunk(bad_copy / last_of_epoch_0)  # read near the end of epoch 0 (~ step 8 of 10)
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False, micro=4, world=2)
+    model_config = no_dropout_config(tmp_path / "model.json")
+
+    def argv(data, out, log, **flags):
+        return helpers.driver_argv(data, out, ds_config, json_summary=log, config_file=model_config, seed=42,
+                                   max_steps=14, log_freq=1, data_memory_budget_mb=0.01, skip_bad_shards=True,
+                                   resume_from_checkpoint=True, **flags)
+
+    outputs = run_ranks_with_own_argv([argv(clean, tmp_path / "a", tmp_path / "a.json", num_steps_per_checkpoint=1),
+                                       argv(bad_copy, tmp_path / "a", tmp_path / "a.json",
+                                            num_steps_per_checkpoint=1)])
+    assert re.search(rf"shard {last_of_epoch_0} could not be read on rank\(s\) 1 \(--skip_bad_shards\): every rank "
+                     r"drops it from sample \d+ on", outputs[0]), outputs[0][-3000:]
+    summary = helpers.read_dllogger(tmp_path / "a.json")[-1]["data"]
+    assert summary["skipped_shards"] == 1 and summary["global_step"] == 14
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "11", tmp_path / "b" / "11")
+    (tmp_path / "b" / "latest").write_text("11")
+    run_ranks_with_own_argv([argv(clean, tmp_path / "b", tmp_path / "b.json", skip_checkpoint=True)] * 2)
+    uninterrupted, resumed = ({r["step"][1]: r["data"]["all_ranks_average_loss"] for r in helpers.step_records(log)}
+                              for log in (tmp_path / "a.json", tmp_path / "b.json"))
+    assert sorted(resumed) == [12, 13, 14]
+    assert all(resumed[step] == uninterrupted[step] for step in resumed), (uninterrupted, resumed)
