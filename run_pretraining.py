@@ -257,7 +257,9 @@ def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_las
     empty unless resuming; checkpoints are staged in <cache_dir (--s3_cache_dir)>/checkpoints."""
     store = storage.S3Store(url, endpoint_url)
     store.check_access(write=os.environ.get("RANK", "0") == "0")
-    if not resuming and store.list_objects(recursive=True):
+    # Rank 0's write probe may be there for a moment while another rank looks: it does not count.
+    if not resuming and any(not remote.name.startswith(storage.WRITE_PROBE_PREFIX)
+                            for remote in store.list_objects(recursive=True)):
         raise InputError(f"--output_dir {url} is not empty: pass --resume_from_checkpoint or use an empty prefix")
     return checkpointing.CheckpointUploader(store, cache_dir / "checkpoints", keep_last_n)
 

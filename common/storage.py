@@ -45,6 +45,9 @@ _PARTIAL = ".partial"
 _LOCK = ".lock"
 _HEAD = ".head"
 _SPACE_LOCK = ".space.lock"
+# check_access(write=True) puts and deletes <prefix>/.write_probe.<host>.<pid>: a name of its own per process,
+# which a check that the prefix is empty (run on other ranks meanwhile) must not count.
+WRITE_PROBE_PREFIX = ".write_probe."
 ROOM_POLL_S = 0.1  # how often a download waiting for room in the shard cache looks again
 
 
@@ -150,7 +153,7 @@ class S3Store:
         self._call(f"cannot list {self.url()}", "list_objects_v2", Bucket=self.bucket,
                    Prefix=self.key("") + "/" if self.prefix else "", MaxKeys=1)
         if write:
-            probe = ".write_probe"
+            probe = f"{WRITE_PROBE_PREFIX}{socket.gethostname()}.{os.getpid()}"
             self.put_bytes(probe, b"ok")
             self.delete([probe])
 

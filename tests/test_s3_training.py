@@ -2,6 +2,7 @@
 and writing shards to S3, and the driver training from S3 shards and checkpointing to S3."""
 
 import gzip
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,30 @@ def test_output_prefix_that_is_not_empty_needs_resume(tmp_path, shards_on_s3):
             if arg != "--resume_from_checkpoint"]
     with pytest.raises(run_pretraining.InputError, match=rf"--output_dir {output_url} is not empty"):
         test_resume.main_in_process(argv)
+
+
+def test_a_rank_that_checks_the_prefix_while_rank_0_probes_it_starts(tmp_path, s3, monkeypatch):
+    """A fresh run: rank 1 checks that the output prefix is empty at the moment rank 0's write probe is on
+    S3 (between its put and its delete). The probe does not count: both ranks start, and nothing stays."""
+    _, bucket, _ = s3
+    output_url = f"s3://{bucket}/runs/fresh"
+    seen_by_rank_1 = []
+    delete = storage.S3Store.delete
+
+    def rank_1_checks_before_the_probe_goes(store, names):
+        if os.environ["RANK"] == "0":
+            monkeypatch.setenv("RANK", "1")
+            seen_by_rank_1.append([remote.name for remote in store.list_objects(recursive=True)])
+            run_pretraining.open_s3_output(output_url, None, tmp_path / "rank1", 0, resuming=False)
+            monkeypatch.setenv("RANK", "0")
+        delete(store, names)
+
+    monkeypatch.setattr(storage.S3Store, "delete", rank_1_checks_before_the_probe_goes)
+    monkeypatch.setenv("RANK", "0")
+    run_pretraining.open_s3_output(output_url, None, tmp_path / "rank0", 0, resuming=False)
+    assert len(seen_by_rank_1) == 1 and len(seen_by_rank_1[0]) == 1
+    assert seen_by_rank_1[0][0].startswith(storage.WRITE_PROBE_PREFIX)  # the probe was there
+    assert storage.S3Store(output_url).list_objects(recursive=True) == []
 
 
 def assert_no_credentials(*outputs):
