@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         formatter_class=runtime.DefaultsHelpFormatter, epilog=runtime.SWITCHES_EPILOG,
                                         usage="%(prog)s --input_dir DIR --config_file JSON --output_dir DIR [flags]")
     data = parser.add_argument_group("data")
-    data.add_argument("--input_dir", required=True, help="Directory (or s3://bucket/prefix) of HDF5 shards; files "
-                      "whose name contains 'training' are used. Their sequence length is the run's.")
+    data.add_argument("--input_dir", required=True, help="Directory (or s3://bucket/prefix) of HDF5 shards; the "
+                      ".hdf5/.h5 files whose name contains 'training' are used (not dot-files). Their sequence "
+                      "length is the run's.")
     data.add_argument("--max_predictions_per_seq", type=int, default=80, help="Upper bound of the shards' masked "
                       "positions.")
     data.add_argument("--disable_random_sampler", action="store_true", help="Read shards and samples in order "

@@ -1,6 +1,7 @@
 """Training-side reading of HDF5 shards as one deterministic global sample stream.
 
-The stream. Epoch e lays the training shards (files of --input_dir whose name contains "training")
+The stream. Epoch e lays the training shards (the .hdf5/.h5 files of --input_dir whose name contains
+"training", dot-files aside: shard_format.is_training_shard_name)
 end to end, in an order shuffled by a generator seeded with (seed, e). That concatenation is cut into
 fixed windows of K samples, and the rows inside window w are permuted by a generator seeded with
 (seed, e, w). The stream is epoch 0's order, then epoch 1's, and so on. A stream *position* is the
@@ -35,9 +36,8 @@ import h5py
 import numpy as np
 import torch
 
-from data.shard_format import SHARD_KEYS, ShardError, read_shard_header
+from data.shard_format import SHARD_KEYS, ShardError, is_training_shard_name, read_shard_header
 
-TRAINING_MARKER = "training"
 BATCH_FIELDS = ("input_ids", "segment_ids", "input_mask", "masked_lm_labels", "next_sentence_labels")
 # Upper bound of the in-memory size of one sample: every field as int64 (3 x seq_len + 2 x max_pred + 1).
 _BYTES_PER_ELEMENT = 8
@@ -89,8 +89,9 @@ class LocalShardFiles:
 
 
 def find_training_shards(shard_files) -> list:
-    """Sorted files whose name contains 'training' (the reference's rule)."""
-    return [p for p in shard_files.list_files() if TRAINING_MARKER in str(p).rsplit("/", 1)[-1]]
+    """Sorted training shards (shard_format.is_training_shard_name): the reference takes any file whose name
+    contains 'training', which would take a killed writer's hidden temporary for a shard."""
+    return [p for p in shard_files.list_files() if is_training_shard_name(str(p).rsplit("/", 1)[-1])]
 
 
 def scan_shards(input_dir, shard_files=None):
@@ -103,7 +104,7 @@ def scan_shards(input_dir, shard_files=None):
     shard_files = shard_files or LocalShardFiles(input_dir)
     paths = find_training_shards(shard_files)
     if not paths:
-        raise ShardError(f"{input_dir}: no training shards (files whose name contains '{TRAINING_MARKER}')")
+        raise ShardError(f"{input_dir}: no training shards (.hdf5 or .h5 files whose name contains 'training')")
     shards, shapes = [], {}
     for path in paths:
         num_samples, seq_len, max_pred = read_shard_header(path, shard_files.header_file(path))

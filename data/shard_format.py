@@ -25,6 +25,20 @@ SHARD_KEYS = {
 # the two filters itself (ISA-L's deflate is about 5x faster than the zlib inside HDF5, same format).
 COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 CHUNK_BYTES = 1 << 18  # input_ids chunk of ~256 KiB: cheap to decompress for a reader wanting a few rows
+SHARD_SUFFIXES = (".hdf5", ".h5")
+TRAINING_MARKER = "training"
+
+
+def is_shard_name(name: str) -> bool:
+    """A shard file's name: ends in .hdf5 or .h5 and is not hidden. A writer's temporary
+    (`.<name>.tmp.<pid>`, common/atomic_write.py) is neither, so a killed or running prep's partial
+    shard is never taken for one."""
+    return name.endswith(SHARD_SUFFIXES) and not name.startswith(".")
+
+
+def is_training_shard_name(name: str) -> bool:
+    """A training shard: a shard whose name contains 'training' (the reference's rule, limited to shards)."""
+    return is_shard_name(name) and TRAINING_MARKER in name
 
 
 class ShardError(ValueError):

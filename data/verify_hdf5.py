@@ -15,7 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from data.shard_format import SHARD_KEYS, ShardError, read_shard_header
+from data.shard_format import SHARD_KEYS, ShardError, is_shard_name, read_shard_header
 
 ROWS_PER_READ = 8192
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
@@ -104,7 +104,7 @@ def main(argv=None):
     parser.add_argument("directory", type=Path)
     parser.add_argument("--vocab_file", type=Path, default=Path(__file__).resolve().parent / "vocab.txt")
     args = parser.parse_args(argv)
-    shards = sorted(p for p in args.directory.rglob("*") if p.suffix in (".hdf5", ".h5"))
+    shards = sorted(p for p in args.directory.rglob("*") if p.is_file() and is_shard_name(p.name))
     try:
         if not shards:
             raise ShardError(f"{args.directory}: no *.hdf5 / *.h5 files")

@@ -4,6 +4,7 @@ Samples are identified by the number written into input_ids[:, 1] (tests/helpers
 checked on what the batches contain, independently of the stream's own bookkeeping.
 """
 
+import shutil
 from collections import Counter
 
 import h5py
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 
 import helpers
-from data import dataset
+from data import dataset, verify_hdf5
 from data.dataset import RankBatches, WindowReader, masked_lm_labels, scan_shards
-from data.shard_format import ShardError
+from data.shard_format import SHARD_KEYS, ShardError, ShardWriter, is_shard_name, is_training_shard_name
 
 VOCAB = 30522
 
@@ -137,6 +138,36 @@ def test_files_without_training_in_the_name_are_ignored(tiny_shards):
     shards, seq_len, max_pred = scan_shards(tiny_shards)
     assert [s.num_samples for s in shards] == [24, 40, 17]
     assert (seq_len, max_pred) == (32, 5)
+
+
+def test_a_killed_writers_temporary_and_files_that_are_not_shards_are_ignored(tmp_path):
+    """A prep killed while writing shard 1 leaves `.shard_1_training.hdf5.tmp.<pid>`; it, a hidden copy of
+    a shard and a text file named 'training' are not training shards: only the one finished shard is."""
+    good, = helpers.write_synthetic_shards(tmp_path, [6])
+    writer = ShardWriter(tmp_path / "shard_1_training.hdf5", 32, 5).__enter__()
+    with h5py.File(good, "r") as f:
+        writer.append({key: f[key][...] for key in SHARD_KEYS})
+    writer._file.close()  # killed: the temporary stays, never renamed
+    assert [p.name for p in tmp_path.glob(".shard_1_training.hdf5.tmp.*")]
+    shutil.copy(good, tmp_path / ".shard_2_training.hdf5")
+    (tmp_path / "notes_training.txt").write_text("not a shard\n")
+    shards, _, _ = scan_shards(tmp_path)
+    assert [s.path for s in shards] == [good]
+
+
+@pytest.mark.parametrize("name, shard, training", [
+    ("books_wiki_en_corpus_training_0.hdf5", True, True), ("x_training_0.h5", True, True),
+    ("books_wiki_en_corpus_test_0.hdf5", True, False), (".x_training_0.hdf5", False, False),
+    (".x_training_0.hdf5.tmp.4242", False, False), ("x_training_0.hdf5.part", False, False),
+    ("x_training_0.txt", False, False)])
+def test_one_rule_names_the_shards_for_the_reader_and_verify_hdf5(name, shard, training):
+    assert (is_shard_name(name), is_training_shard_name(name)) == (shard, training)
+
+
+def test_verify_hdf5_skips_hidden_files(tmp_path, capsys):
+    helpers.write_synthetic_shards(tmp_path, [3], name=".shard_{i}_training.hdf5")
+    assert verify_hdf5.main([str(tmp_path)]) == 1
+    assert "no *.hdf5 / *.h5 files" in capsys.readouterr().err
 
 
 def test_token_id_beyond_vocab_names_file_and_sample(tmp_path):
