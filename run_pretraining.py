@@ -17,6 +17,8 @@ loop (`train`) -> final checkpoint and summary.
 """
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import sys
@@ -37,7 +39,7 @@ from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from schedulers import PolyWarmUpScheduler
 from training import checkpointing, gaudi, hardware, runtime, sizing, zero_partitions
-from training.runtime import InputError, optimizer_step_suppressed
+from training.runtime import InputError, InputErrorOnEveryRank, optimizer_step_suppressed
 
 if TYPE_CHECKING:  # deepspeed is imported only after runtime.choose_accelerator has picked the device
     import dllogger
@@ -305,6 +307,32 @@ def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCac
         raise InputError(f"--input_dir {input_dir} holds {num_samples} samples, fewer than one global "
                          f"micro-batch ({global_micro_batch})")
     return DataInfo(shards, seq_len, max_pred, num_samples, shard_files)
+
+
+def check_same_shards_on_every_rank(data: DataInfo, input_dir: str) -> None:
+    """Each rank lists --input_dir itself, and the ranks cut one stream from their listings: a server whose
+    copy lacks a shard (an unfinished copy) or holds another version of one would make the ranks train other
+    samples than planned, silently. One all-gather of a digest; the listings themselves only when they differ."""
+    listing = {"shards": sorted([shard.name, shard.num_samples] for shard in data.shards),
+               "seq_len": data.seq_len, "max_pred": data.max_pred}
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(json.dumps(listing).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    listings, hosts = [None] * len(digests), runtime.gather_rank_hosts()
+    dist.all_gather_object(listings, listing)
+    other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
+    first, second = ({name: size for name, size in listings[r]["shards"]} for r in (0, other))
+    differences = [f"{name} only on rank 0" for name in sorted(first.keys() - second.keys())]
+    differences += [f"{name} only on rank {other}" for name in sorted(second.keys() - first.keys())]
+    differences += [f"{name} has {first[name]} samples on rank 0, {second[name]} on rank {other}"
+                    for name in sorted(first.keys() & second.keys()) if first[name] != second[name]]
+    differences += [f"{key} {listings[0][key]} on rank 0, {listings[other][key]} on rank {other}"
+                    for key in ("seq_len", "max_pred") if listings[0][key] != listings[other][key]]
+    shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
+    raise InputErrorOnEveryRank(f"--input_dir {input_dir} holds other training shards on rank {other} "
+                                f"({hosts[other]}) than on rank 0 ({hosts[0]}): {shown}. Every server must hold "
+                                "the same shards")
 
 
 # ============================================================================ model, optimizer, engine
@@ -748,6 +776,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
                                                   args.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
+    check_same_shards_on_every_rank(data, args.input_dir)
     runtime.seed_everything(args.seed + rank)
     logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)

@@ -5,6 +5,11 @@ class InputError(ValueError):
     """Bad command line, configuration or data, found before the work that it would spoil starts."""
 
 
+class InputErrorOnEveryRank(InputError):
+    """Bad input that every rank finds at the same point, from a collective's result: the ranks can leave
+    together, through a barrier (see training/runtime.run_cli)."""
+
+
 def one_line(err: Exception, limit: int = 400) -> str:
     """A (torch) multi-line error text folded into one bounded line, for the one-line CLI error."""
     return " ".join(str(err).split())[:limit]

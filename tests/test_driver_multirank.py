@@ -61,9 +61,10 @@ def test_data_parallel_equivalence(tmp_path, tiny_shards, stage, optimizer):
     assert max(abs(a - b) for a, b in zip(single, double)) < 1e-5, (single, double)
 
 
-def run_ranks_with_own_argv(argvs, timeout=600) -> list:
+def run_ranks_with_own_argv(argvs, timeout=600, expect_status=0) -> list:
     """One `python run_pretraining.py argv` per rank, with the rank variables the launcher would set: unlike
-    the launcher, this lets each rank have its own flags (here, its own copy of the data)."""
+    the launcher, this lets each rank have its own flags (here, its own copy of the data). Returns the ranks'
+    outputs (stdout and stderr together), once each has exited with expect_status."""
     port, procs = helpers.free_port(), []
     for rank, argv in enumerate(argvs):
         env = helpers.launcher_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(argvs)),
@@ -73,7 +74,7 @@ def run_ranks_with_own_argv(argvs, timeout=600) -> list:
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-3000:]
+        assert proc.returncode == expect_status, output[-3000:]
     return outputs
 
 
@@ -115,3 +116,23 @@ def test_a_shard_bad_on_one_host_only_is_dropped_by_every_rank(tmp_path):
                               for log in (tmp_path / "a.json", tmp_path / "b.json"))
     assert sorted(resumed) == [12, 13, 14]
     assert all(resumed[step] == uninterrupted[step] for step in resumed), (uninterrupted, resumed)
+
+
+def test_ranks_whose_copies_of_the_data_differ_stop_before_training(tmp_path):
+    """Each rank lists --input_dir itself. Rank 1's copy lacks a shard (an unfinished copy to that server): the
+    ranks would cut different streams. The run must stop at start-up with one line on rank 0 naming the rank,
+    its host and the missing shard, and write no checkpoint."""
+    full, partial = tmp_path / "host0", tmp_path / "host1"
+    names = [path.name for path in helpers.write_synthetic_shards(full, [24, 40, 17])]
+    helpers.write_synthetic_shards(partial, [24, 40, 17])
+    (partial / names[2]).unlink()
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False, micro=4, world=2)
+    outputs = run_ranks_with_own_argv(
+        [helpers.driver_argv(data, tmp_path / "out", ds_config, max_steps=2) for data in (full, partial)],
+        expect_status=1)
+    errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in outputs[0], outputs[0][-3000:]
+    assert re.fullmatch(rf"error: --input_dir {re.escape(str(full))} holds other training shards on rank 1 \(.+\) "
+                        rf"than on rank 0 \(.+\): {names[2]} only on rank 0\. Every server must hold the same shards",
+                        errors[0]), errors[0]
+    assert not list((tmp_path / "out").glob("*/state_*.pt"))

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.errors import InputError, one_line
+from common.errors import InputError, InputErrorOnEveryRank, one_line
 from training import gaudi
 
 try:
@@ -42,7 +42,7 @@ try:
 except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
     from training import dllogger_fallback as dllogger
 
-__all__ = ["InputError", "one_line"]  # re-exported: entry points take the error type from here
+__all__ = ["InputError", "InputErrorOnEveryRank", "one_line"]  # re-exported: entry points take the error type from here
 
 PROFILERS = ("pt", "pt-full", "hltv")
 
@@ -469,10 +469,12 @@ def run_cli(main, argv, errors: tuple) -> int:
     traceback. The ranks of one host meet the same bad input: its first local rank prints it, and on another
     host than rank 0's it names itself (a file missing on that host alone would otherwise fail silently there
     while rank 0 waits for it)."""
+    leave_together = False  # every rank ended the same way: they can meet at a barrier
     try:
         main(argv)
-        status = 0
+        status, leave_together = 0, True
     except (InputError, *errors) as err:
+        leave_together = isinstance(err, InputErrorOnEveryRank)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         if rank == "0" or not isinstance(err, InputError):
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -487,7 +489,7 @@ def run_cli(main, argv, errors: tuple) -> int:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
-    if dist.is_available() and dist.is_initialized() and status == 0:
-        dist.barrier()  # else a second rank rarely aborts at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
+    if dist.is_available() and dist.is_initialized() and leave_together:
+        dist.barrier()  # else a rank may abort at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
         dist.destroy_process_group()
     return status
