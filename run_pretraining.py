@@ -251,6 +251,9 @@ def validate_args(args, world_size: int) -> tuple:
         raise InputError(str(err)) from err
     data = inspect_data(args.input_dir, shard_files, args.max_predictions_per_seq,
                         ds_config["train_micro_batch_size_per_gpu"] * world_size)
+    if data.seq_len > model_config.max_position_embeddings:
+        raise InputError(f"the shards' sequences have {data.seq_len} tokens, more than max_position_embeddings "
+                         f"{model_config.max_position_embeddings} of --config_file {args.config_file}")
     return ds_config, model_config, data, copies
 
 
@@ -292,7 +295,8 @@ def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer
 
 def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCache, max_predictions_per_seq: int,
                  global_micro_batch: int) -> DataInfo:
-    """Check the header of every training shard (ids are checked later, per window read)."""
+    """Check the header of every training shard (the values, ids and labels, are checked later, per window
+    read)."""
     try:
         shards, seq_len, max_pred = scan_shards(input_dir, shard_files)
         if isinstance(shard_files, storage.ShardCache):
@@ -814,7 +818,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
                           shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
-                          skipped_shards=state.skipped_shards, shard_files=data.shard_files)
+                          skipped_shards=state.skipped_shards, shard_files=data.shard_files,
+                          type_vocab_size=model_config.type_vocab_size)
     state.skipped_shards = list(reader.skipped_shards)  # names (checkpoints before 2026-11-27 held paths)
     batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
     run = Run(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,

@@ -179,8 +179,9 @@ def masked_lm_labels(positions: np.ndarray, ids: np.ndarray, seq_len: int) -> np
     return labels
 
 
-def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: int) -> dict:
-    """Rows [first, end) of one shard as numpy arrays, with the token ids and positions checked."""
+def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: int, type_vocab_size: int) -> dict:
+    """Rows [first, end) of one shard as numpy arrays, with every value the model indexes by checked: a value
+    out of range would otherwise fail in the first step's embedding or loss (an IndexError, not a shard)."""
     try:
         with h5py.File(local_path, "r") as f:
             arrays = {key: f[key][first:end] for key in SHARD_KEYS}
@@ -188,12 +189,13 @@ def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: 
         raise BadShardRows(shard, f"cannot read samples {first}..{end - 1}: {err}") from err
     seq_len = arrays["input_ids"].shape[1]
     checks = (("input_ids", vocab_size, "token id"), ("masked_lm_ids", vocab_size, "masked token id"),
-              ("masked_lm_positions", seq_len, "masked position"))
+              ("masked_lm_positions", seq_len, "masked position"), ("segment_ids", type_vocab_size, "segment id"),
+              ("input_mask", 2, "input mask value"), ("next_sentence_labels", 2, "next-sentence label"))
     for key, limit, what in checks:
         bad = np.argwhere((arrays[key] < 0) | (arrays[key] >= limit))
         if len(bad):
-            row, col = bad[0]
-            raise BadShardRows(shard, f"sample {first + row}: {what} {arrays[key][row, col]} "
+            index = tuple(bad[0])
+            raise BadShardRows(shard, f"sample {first + index[0]}: {what} {arrays[key][index]} "
                                            f"outside [0, {limit})")
     return arrays
 
@@ -207,13 +209,15 @@ class WindowReader:
     paths: every host drops the same shards wherever its copy of the data lives. (Checkpoints from before
     held paths; their last component is the name.)
     shard_files: where the shards live (default: local files, see LocalShardFiles).
+    vocab_size, type_vocab_size: the model's; a token id or segment id at or above them is a bad row.
     """
 
     def __init__(self, shards, seed, window_size, vocab_size, shuffle=True, skip_bad_shards=False,
-                 skipped_shards=(), shard_files=None):
+                 skipped_shards=(), shard_files=None, type_vocab_size=2):
         self.all_shards, self.seed, self.window_size = list(shards), seed, window_size
         self.shard_files = shard_files or LocalShardFiles(".")
-        self.vocab_size, self.shuffle, self.skip_bad_shards = vocab_size, shuffle, skip_bad_shards
+        self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size
+        self.shuffle, self.skip_bad_shards = shuffle, skip_bad_shards
         self.skip_shards(skipped_shards)
 
     def skip_shards(self, names) -> None:
@@ -225,7 +229,8 @@ class WindowReader:
 
     def _load_window(self, epoch: int, window: int) -> dict:
         try:
-            pieces = [_read_piece(shard, self.shard_files.local_path(shard.path), first, end, self.vocab_size)
+            pieces = [_read_piece(shard, self.shard_files.local_path(shard.path), first, end, self.vocab_size,
+                                  self.type_vocab_size)
                       for shard, first, end in self.stream.window_pieces(epoch, window)]
         finally:
             # The window is in memory: hold no shard while its batches are used. A rank that kept one could

@@ -91,9 +91,9 @@ def test_window_reads_are_bounded(tmp_path, monkeypatch):
     rows_read = []
     original = dataset._read_piece
 
-    def counting(shard, local_path, first, end, vocab_size):
+    def counting(shard, local_path, first, end, *limits):
         rows_read.append(end - first)
-        return original(shard, local_path, first, end, vocab_size)
+        return original(shard, local_path, first, end, *limits)
 
     monkeypatch.setattr(dataset, "_read_piece", counting)
     _, stream = collect(tmp_path, 1, 2, 27, window_size=5)
@@ -181,6 +181,42 @@ def test_token_id_beyond_vocab_names_file_and_sample(tmp_path):
     with pytest.raises(ShardError, match=rf"{paths[1].name}: sample 4: token id {VOCAB} outside"):
         next(iterator)
     iterator.close()
+
+
+@pytest.mark.parametrize("key, row, value, message", [
+    ("segment_ids", 2, 2, "sample 2: segment id 2 outside \\[0, 2\\)"),
+    ("next_sentence_labels", 4, 2, "sample 4: next-sentence label 2 outside \\[0, 2\\)"),
+    ("next_sentence_labels", 1, -1, "sample 1: next-sentence label -1 outside \\[0, 2\\)"),
+    ("input_mask", 5, 3, "sample 5: input mask value 3 outside \\[0, 2\\)")])
+def test_values_the_model_cannot_take_name_file_and_sample(tmp_path, key, row, value, message):
+    """Values that would fail the first step (an embedding or loss index) are bad rows, like a token id."""
+    paths = helpers.write_synthetic_shards(tmp_path, [6, 6])
+    with h5py.File(paths[1], "a") as f:
+        values = f[key][...]
+        values[(row, 7) if values.ndim == 2 else row] = value
+        f[key][...] = values
+    reader = make_readers(tmp_path, 1, 100, shuffle=False)[0]
+    with pytest.raises(ShardError, match=rf"{paths[1].name}: {message}"):
+        reader.read(0, 12)
+
+
+def test_segment_limit_is_the_type_vocab_size_given(tmp_path):
+    helpers.write_synthetic_shards(tmp_path, [6])  # segment ids 0 and 1
+    shards, _, _ = scan_shards(tmp_path)
+    assert len(WindowReader(shards, 7, 6, VOCAB, type_vocab_size=2).read(0, 6)["segment_ids"]) == 6
+    with pytest.raises(ShardError, match=r"sample 0: segment id 1 outside \[0, 1\)"):
+        WindowReader(shards, 7, 6, VOCAB, shuffle=False, type_vocab_size=1).read(0, 6)
+
+
+def test_skip_bad_shards_drops_a_shard_with_a_bad_segment_id(tmp_path):
+    paths = helpers.write_synthetic_shards(tmp_path, [8, 8])
+    with h5py.File(paths[0], "a") as f:
+        segments = f["segment_ids"][...]
+        segments[3, 9] = 5
+        f["segment_ids"][...] = segments
+    reader = make_readers(tmp_path, 1, 16, skip_bad_shards=True)[0]
+    uids = helpers.sample_uid(reader.read(0, 8)["input_ids"])
+    assert sorted(uids) == list(range(8, 16)) and reader.skipped_shards == [paths[0].name]
 
 
 def test_corrupt_shard_mid_epoch_is_an_error_naming_it(tmp_path):

@@ -340,6 +340,17 @@ def id_beyond_vocab(paths):
         f["input_ids"][...] = ids
 
 
+def segment_id_beyond_types(paths):
+    with h5py.File(paths[0], "a") as f:
+        segments = f["segment_ids"][...]
+        segments[3, 5] = 2
+        f["segment_ids"][...] = segments
+
+
+def sequences_beyond_positions(paths):
+    helpers.write_synthetic_shards(paths[0].parent, [12, 8], seq_len=520)
+
+
 BAD_INPUTS = {
     "missing_input_dir": (None, {"input_dir": "/nonexistent/shards"}, "does not exist or is not a directory"),
     "empty_input_dir": ("empty", {}, "no training shards"),
@@ -347,6 +358,10 @@ BAD_INPUTS = {
     "shard_wrong_shape": (mismatched_rows, {}, "'next_sentence_labels' has 2 rows"),
     "token_id_beyond_vocab": (id_beyond_vocab, {"disable_random_sampler": True},
                               "sample 3: token id 40000 outside \\[0, 30522\\)"),
+    "segment_id_beyond_type_vocab": (segment_id_beyond_types, {"disable_random_sampler": True},
+                                     "sample 3: segment id 2 outside \\[0, 2\\)"),
+    "seq_len_beyond_max_position": (sequences_beyond_positions, {}, "the shards' sequences have 520 tokens, more "
+                                    "than max_position_embeddings 512 of --config_file"),
     "batch_arithmetic": (None, {"ds": {"train_batch_size": 10}},
                          "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 1: "
                          "this global batch cannot be kept"),
@@ -415,6 +430,19 @@ def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, capsys, case):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert re.search(message, errors[0]), errors[0]
+
+
+def test_segment_ids_are_checked_against_the_models_type_vocab_size(tmp_path, capsys):
+    """The reader's segment limit is the model's type_vocab_size, not BERT's 2: with a config of 1 segment
+    type, the shards' segment B (id 1) is refused, where the first step would fail with an IndexError."""
+    helpers.write_synthetic_shards(tmp_path / "shards", [12, 8])
+    config = tmp_path / "one_segment_type.json"
+    config.write_text(json.dumps({**json.loads(helpers.TINY_MODEL_CONFIG.read_text()), "type_vocab_size": 1}))
+    argv = helpers.driver_argv(tmp_path / "shards", tmp_path / "out", helpers.write_ds_config(tmp_path / "ds.json"),
+                               config_file=config, disable_random_sampler=True)
+    assert rp.cli(argv) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"sample 0: segment id 1 outside \[0, 1\)", errors[0]), errors
 
 
 @pytest.mark.parametrize("where", ["output_dir", "json_summary_dir"])
