@@ -60,7 +60,8 @@ def check(config: dict, world_size: int, source, client_optimizer: str | None = 
     """Check the batch arithmetic and what a client optimizer (its name, or None when the JSON's optimizer or
     one that ZeRO supports is used) needs; sets gradient_accumulation_steps from the global batch (pretraining's
     reading: a JSON's own value gives way, so a checkpoint resumes on another world size with the same batch;
-    fine-tuning checks its flags against the JSON first). Refuses ZeRO offload. `source` names the config."""
+    fine-tuning checks its flags against the JSON first). Refuses ZeRO offload and background checkpoint writers.
+    `source` names the config."""
     _, config["gradient_accumulation_steps"], _ = batch_arithmetic(config, world_size, source)
     zero = config.get("zero_optimization", {})
     zero_stage = zero.get("stage", 0)
@@ -70,6 +71,14 @@ def check(config: dict, world_size: int, source, client_optimizer: str | None = 
         # data-parallel group cannot reach them under NCCL, and the memory planner does not model them.
         raise DeepSpeedConfigError(f"{source}: ZeRO offload is not supported by this repository "
                                    f"({', '.join(offloaded)}): remove the offload setting (or use device \"none\")")
+    background_writers = [name for name, on in (
+        ("checkpoint.writer.decoupled", (config.get("checkpoint", {}).get("writer") or {}).get("decoupled")),
+        ("datastates_ckpt.enabled", config.get("datastates_ckpt", {}).get("enabled"))) if on]
+    if background_writers:
+        # engine.save_checkpoint returns before these writers have written the files (DeepSpeed commits them at
+        # a later engine.step), while training/checkpointing.py commits a checkpoint as soon as it returns.
+        raise DeepSpeedConfigError(f"{source}: checkpoint writers that finish in the background are not supported "
+                                   f"by this repository ({', '.join(background_writers)}): remove the setting")
     if client_optimizer and zero_stage > 0 and not config.get("zero_allow_untested_optimizer", False):
         raise DeepSpeedConfigError(f"{source}: ZeRO with --optimizer {client_optimizer} needs "
                                    '"zero_allow_untested_optimizer": true')

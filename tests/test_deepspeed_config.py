@@ -74,6 +74,29 @@ def test_zero_offload_is_refused_with_one_line(tmp_path, zero, named):
     assert str(driver.value) == expected
 
 
+# DeepSpeed's decoupled writer (and DataStates') write a checkpoint's files after engine.save_checkpoint has
+# returned; training/checkpointing.py would commit the checkpoint (manifest, `latest`) before they exist.
+@pytest.mark.parametrize("section, named", [
+    ({"checkpoint": {"writer": {"type": "mock", "decoupled": True}}}, "checkpoint.writer.decoupled"),
+    ({"datastates_ckpt": {"enabled": True}}, "datastates_ckpt.enabled"),
+])
+def test_background_checkpoint_writers_are_refused_with_one_line(tmp_path, section, named):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, **section}))
+    with pytest.raises(DeepSpeedConfigError) as raised:
+        deepspeed_config.load(path, world_size=1)
+    assert str(raised.value) == (f"{path}: checkpoint writers that finish in the background are not supported by "
+                                 f"this repository ({named}): remove the setting")
+
+
+def test_a_synchronous_checkpoint_writer_passes(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                                "checkpoint": {"writer": {"type": "fast", "decoupled": False}},
+                                "datastates_ckpt": {"enabled": False}}))
+    assert deepspeed_config.load(path, world_size=1)["gradient_accumulation_steps"] == 2  # 8 = 4 x 2 x 1
+
+
 @pytest.mark.parametrize("zero", [
     {"stage": 2},
     {"stage": 2, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}},
