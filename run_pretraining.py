@@ -807,7 +807,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
     resume_tag = str(args.resume_step) if args.resume_step >= 0 else None
     if copies is not None:
-        copies.prepare(device, args.resume_from_checkpoint, resume_tag)
+        copies.prepare(device, args.resume_from_checkpoint, resume_tag, say=say)
     state = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
                           resume=args.resume_from_checkpoint, resume_tag=resume_tag, phase2=args.phase2,
                           phase1_end_step=args.phase1_end_step, seed=args.seed, output_dir=args.output_dir)
@@ -839,13 +839,16 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
     train_started = clock()
-    try:
-        with runtime.stop_requests() as stop_event, profiler if profiler is not None else nullcontext():
-            final = train(run, state, batches, stop_event, profiler)
-    finally:
-        batches.close()
-    if copies is not None:
-        copies.finish(device)  # the last checkpoint is on S3 before the run reports success
+    with runtime.stop_requests() as stop_event:
+        try:
+            with profiler if profiler is not None else nullcontext():
+                final = train(run, state, batches, stop_event, profiler)
+        finally:
+            batches.close()
+        # The last checkpoint is on S3 before the run reports success. Still under the stop handler: a repeated
+        # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
+        if copies is not None:
+            copies.finish(device)
     raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
     model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device

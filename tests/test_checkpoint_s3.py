@@ -126,6 +126,57 @@ def test_failed_upload_stops_with_one_line_and_latest_names_a_complete_checkpoin
     assert (tmp_path / "local" / "4").is_dir()  # the local copy stays (the copy failed)
 
 
+def staged_run_cut_short(remote, staging: Path) -> None:
+    """A run on `remote` staging in `staging`: checkpoint 10 copied to S3, then checkpoint 20 saved complete
+    but its copy cut short after one file (a preemption's last save, then SIGKILL)."""
+    run = checkpointing.CheckpointUploader(remote, staging)
+    run.prepare("cpu", resume=False)
+    save_local(staging, "10")
+    run.start("10")
+    run.finish("cpu")
+    save_local(staging, "20")
+    remote.upload(staging / "20" / "state_0.pt", "20/state_0.pt")
+
+
+def test_resume_copies_a_complete_staged_checkpoint_that_s3_lacks_and_resumes_from_it(tmp_path, remote):
+    staging = tmp_path / "staging"
+    staged_run_cut_short(remote, staging)
+    staged_files = {p.name: p.read_bytes() for p in (staging / "20").iterdir()}
+    said = []
+    checkpointing.CheckpointUploader(remote, staging).prepare("cpu", resume=True, say=said.append)
+    assert said == [f"checkpoint 20 in {staging} is complete but its copy to {remote.url()} was cut short: "
+                    "uploading it now, then resuming from it"]
+    assert sorted(p.name for p in staging.iterdir()) == [checkpointing.STAGING_PREFIX_NAME, "20", "latest"]
+    assert checkpointing.find_resume_tag(staging) == "20"
+    assert {p.name: p.read_bytes() for p in (staging / "20").iterdir()} == staged_files
+    assert checkpointing.fetch_checkpoint(remote, tmp_path / "fetched") == "20"  # complete on S3, `latest` too
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fetched" / "20").iterdir()} == staged_files
+
+
+@pytest.mark.parametrize("case", ["s3_has_newer", "other_prefix", "not_resuming", "no_prefix_recorded"])
+def test_a_staged_checkpoint_is_not_copied_when_resume_should_not_use_it(tmp_path, remote, case):
+    """S3's newer checkpoint wins; a staging directory last used for another prefix (or by a run before the
+    prefix was recorded) is not this run's; a fresh run starts from an empty staging directory."""
+    staging = tmp_path / "staging"
+    other_prefix = storage.S3Store(remote.url() + "-other")
+    staged_run_cut_short(other_prefix if case == "other_prefix" else remote, staging)
+    if case == "other_prefix":
+        save_local(tmp_path / "elsewhere", "10")
+        checkpointing.upload_checkpoint(remote, tmp_path / "elsewhere", "10")
+    if case == "s3_has_newer":
+        save_local(tmp_path / "elsewhere", "30")
+        checkpointing.upload_checkpoint(remote, tmp_path / "elsewhere", "30")
+    if case == "no_prefix_recorded":
+        (staging / checkpointing.STAGING_PREFIX_NAME).unlink()
+    said = []
+    checkpointing.CheckpointUploader(remote, staging).prepare("cpu", resume=case != "not_resuming", say=said.append)
+    expected = {"s3_has_newer": "30", "not_resuming": None}.get(case, "10")
+    assert said == []
+    assert sorted(p.name for p in staging.iterdir()) == \
+        [checkpointing.STAGING_PREFIX_NAME] + ([expected, "latest"] if expected else [])
+    assert not remote.exists(f"20/{checkpointing.MANIFEST_NAME}")
+
+
 def test_export_reads_from_s3(tmp_path, remote, monkeypatch):
     save_local(tmp_path / "local", "2", world=1)
     checkpointing.upload_checkpoint(remote, tmp_path / "local", "2")

@@ -3,8 +3,10 @@ and writing shards to S3, and the driver training from S3 shards and checkpointi
 
 import gzip
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import h5py
@@ -189,6 +191,58 @@ def test_a_rank_that_checks_the_prefix_while_rank_0_probes_it_starts(tmp_path, s
     assert storage.S3Store(output_url).list_objects(recursive=True) == []
 
 
+class EndedBySigterm(Exception):
+    """What SIGTERM's default action (the end of the process) stands as in an in-process run."""
+
+
+def test_a_second_sigterm_while_the_run_waits_for_its_last_copy_does_not_cut_it(tmp_path, shards_on_s3, monkeypatch):
+    """A SIGTERM in step 1 stops the run after it; checkpoint 1 is saved and copied to S3 in the background, and a
+    second SIGTERM comes while the run waits for that copy (a preemption that insists). The copy completes and
+    the run returns. The handler the test puts in place before the run, which raises, stands for the default
+    action: a driver that put it back before the copy was done would end there."""
+    import boto3
+
+    from modeling import BertPretrainingCriterion
+
+    local, _, output_url = shards_on_s3
+    config = test_resume.ds_config(tmp_path, 1, True, 1)
+    run_waits_for_a_copy, second_sigterms = threading.Event(), []
+    finish = checkpointing.CheckpointUploader.finish
+
+    def finish_noting_a_wait(uploader, device):
+        if any(thread.name == "checkpoint-upload" for thread in threading.enumerate()):
+            run_waits_for_a_copy.set()
+        finish(uploader, device)
+
+    def second_sigterm_during_the_copy(request, event_name, **_):
+        if threading.current_thread().name == "checkpoint-upload" and not second_sigterms:
+            second_sigterms.append(run_waits_for_a_copy.wait(timeout=120))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    class SigtermInStep1(BertPretrainingCriterion):
+        def forward(self, *args):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return super().forward(*args)
+
+    def default_action(*_):
+        raise EndedBySigterm("SIGTERM's default action, outside the driver's stop handler")
+
+    monkeypatch.setattr(checkpointing.CheckpointUploader, "finish", finish_noting_a_wait)
+    boto3.DEFAULT_SESSION.events.register("before-send.s3", second_sigterm_during_the_copy)
+    before = signal.signal(signal.SIGTERM, default_action)
+    try:
+        summary = run_pretraining.main([str(arg) for arg in s3_args(tmp_path, local, output_url, config,
+                                                                    tmp_path / "a.json", 4)],
+                                       criterion=SigtermInStep1())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        boto3.DEFAULT_SESSION.events.unregister("before-send.s3", second_sigterm_during_the_copy)
+    assert second_sigterms == [True]  # sent while the run waited for the copy
+    assert summary["stopped_by_signal"] and summary["global_step"] == 1
+    assert storage.S3Store(output_url).get_bytes("latest") == b"1"
+    assert checkpointing.fetch_checkpoint(storage.S3Store(output_url), tmp_path / "fetched") == "1"
+
+
 def assert_no_credentials(*outputs):
     for output in outputs:
         assert s3_helpers.ACCESS_KEY not in output and s3_helpers.SECRET_KEY not in output
@@ -198,8 +252,10 @@ def assert_no_credentials(*outputs):
 def test_kill_during_upload_then_resume_from_s3_two_ranks(tmp_path, shards_on_s3, monkeypatch):
     """Two ranks read S3 shards (through their server's cache) and checkpoint to S3 every 3 steps. The
     process is SIGKILLed in the middle of checkpoint 6's upload: `latest` on S3 still names 3, which
-    is complete. The run resumed from S3 then matches an uninterrupted run on local files: the same
-    losses, and the final checkpoint on S3 bit for bit. No output shows the credentials."""
+    is complete, and the staging directory holds 6, complete. The resumed run copies 6 to S3 first and
+    resumes from it (not from 3: the steps after 3 are not lost), and then matches an uninterrupted run on
+    local files: the same losses, and the final checkpoint on S3 bit for bit. No output shows the
+    credentials."""
     local, shards_url, output_url = shards_on_s3
     world, steps = 2, 12
     config = test_resume.ds_config(tmp_path, 1, True, world)
@@ -217,7 +273,9 @@ def test_kill_during_upload_then_resume_from_s3_two_ranks(tmp_path, shards_on_s3
     assert fetched(output_url, tmp_path).name == "3"
     resumed = test_resume.run(s3_args(tmp_path, shards_url, output_url, config, tmp_path / "b.json", steps,
                                       num_steps_per_checkpoint=3), world)
-    assert "resumed from checkpoint 3" in resumed
+    assert f"checkpoint 6 in {tmp_path / 's3_cache' / 'checkpoints'} is complete but its copy to {output_url} " \
+        "was cut short: uploading it now, then resuming from it" in resumed, resumed[-3000:]
+    assert "resumed from checkpoint 6" in resumed
     test_resume.assert_same_training((reference, tmp_path / "ref" / str(steps)), [killed, resumed],
                                      fetched(output_url, tmp_path), steps)
     assert list((tmp_path / "s3_cache" / "shards").iterdir()) == [storage.server_cache_dir(tmp_path / "s3_cache")]

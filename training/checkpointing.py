@@ -631,6 +631,9 @@ def prune_remote_checkpoints(store, keep_last_n: int) -> list[str]:
     return doomed
 
 
+STAGING_PREFIX_NAME = ".s3_prefix"  # in the staging directory: the s3:// prefix its checkpoints are copies for
+
+
 class CheckpointUploader:
     """Copies each checkpoint saved into local_dir to S3, on rank 0, in a background thread: training
     goes on meanwhile. finish() (collective) waits for the copy and raises CheckpointError on every
@@ -641,21 +644,62 @@ class CheckpointUploader:
         self.store, self.local_dir, self.keep_last_n = store, Path(local_dir), keep_last_n
         self._thread, self._error = None, None
 
-    def prepare(self, device, resume: bool, tag: str | None = None) -> None:
+    def prepare(self, device, resume: bool, tag: str | None = None, say=None) -> None:
         """Collective, before resume: rank 0 empties the staging directory and, when resuming, fetches
-        into it the checkpoint that resume would use (or `tag`)."""
-        error = None
+        into it the checkpoint that resume would use (or `tag`). Except when the staging directory holds
+        a complete checkpoint that a run on this prefix saved but did not finish copying (a preemption's
+        last save, its upload cut short) and that resume should use (`tag`, or newer than S3's newest):
+        that one is uploaded first and kept (say(message) is told), not thrown away."""
+        error, unfinished = None, None
         if _rank_and_world()[0] == 0:
             try:
-                shutil.rmtree(self.local_dir, ignore_errors=True)
-                self.local_dir.mkdir(parents=True)
-                if resume:
-                    fetch_checkpoint(self.store, self.local_dir, tag)
+                unfinished = self._unfinished_upload(tag) if resume else None
+                if unfinished is None:
+                    shutil.rmtree(self.local_dir, ignore_errors=True)
+                    self.local_dir.mkdir(parents=True)
+                    write_text_atomically(self.local_dir / STAGING_PREFIX_NAME, self.store.url())
+                    if resume:
+                        fetch_checkpoint(self.store, self.local_dir, tag)
+                else:
+                    if say is not None:
+                        say(f"checkpoint {unfinished} in {self.local_dir} is complete but its copy to "
+                            f"{self.store.url()} was cut short: uploading it now, then resuming from it")
+                    self._keep_only(unfinished)
+                    upload_checkpoint(self.store, self.local_dir, unfinished)
+                    if self.keep_last_n:
+                        prune_remote_checkpoints(self.store, self.keep_last_n)
             except (storage.StorageError, OSError) as exc:
-                error = f"cannot fetch a checkpoint from {self.store.url()}: {exc}"
+                doing = "fetch a checkpoint from" if unfinished is None else f"copy checkpoint {unfinished} to"
+                error = f"cannot {doing} {self.store.url()}: {exc}"
             except CheckpointError as exc:
                 error = str(exc)
         _raise_if_any_rank_failed(error, "fetching a checkpoint from S3", device)
+
+    def _unfinished_upload(self, tag: str | None) -> str | None:
+        """The tag of a complete checkpoint in the staging directory, staged for this prefix (a staging
+        directory may have served another prefix before), that S3 lacks and resume should use: `tag`,
+        or, with tag None, one newer than the newest complete checkpoint on S3. None otherwise."""
+        try:
+            if (self.local_dir / STAGING_PREFIX_NAME).read_text() != self.store.url():
+                return None
+        except OSError:  # no staging directory, or one of a run before the prefix was recorded
+            return None
+        staged, _ = _scan(self.local_dir)
+        if not staged:
+            return None
+        on_s3, _, _ = _remote_scan(self.store)
+        if tag is not None:
+            return tag if tag in dict(staged) and tag not in dict(on_s3) else None
+        if on_s3 and _tag_order_key(*on_s3[0]) >= _tag_order_key(*staged[0]):
+            return None
+        return staged[0][0]
+
+    def _keep_only(self, tag: str) -> None:
+        """The staging directory as a fetch of `tag` leaves it: that checkpoint, `latest` naming it."""
+        for entry in self.local_dir.iterdir():
+            if entry.is_dir() and entry.name != tag:
+                _delete_tag_dir(entry)
+        write_text_atomically(self.local_dir / LATEST_NAME, tag)
 
     def start(self, tag: str) -> None:
         if _rank_and_world()[0] != 0:
