@@ -50,10 +50,9 @@ from tqdm import tqdm
 
 from common import atomic_write, storage
 from common.errors import InputError
-from data.shard_format import ShardError, ShardWriter
+from data.shard_format import SHARD_SUFFIXES, ShardError, ShardWriter
 from data.tokenization import load_tokenizer
 
-SHARD_SUFFIXES = (".hdf5", ".h5")
 READ_CHARS = 1 << 22  # characters read at a time
 MAX_LINE_CHARS = 1 << 22  # a longer line is an error (a line is tokenized at once: memory)
 MIN_DOCUMENT_CUT_CHARS = 1 << 20  # documents are cut at --block_chars characters, but not shorter than this
@@ -463,7 +462,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--input_file", required=True,
                         help="text file, directory of *.txt files, or comma-separated list of files")
     parser.add_argument("--output_file", required=True,
-                        help="shard path (.hdf5/.h5: all inputs in one shard) or directory (one shard per input)")
+                        help="shard path (.hdf5/.h5: all inputs in one shard) or directory (one shard per input, "
+                        "named after it: INPUT_STEM.hdf5, so two inputs may not share a file name)")
     parser.add_argument("--vocab_file", required=True, help="BERT vocab.txt")
     parser.add_argument("--do_lower_case", type=str_to_bool, nargs="?", const=True, default=True,
                         help="lower-case and strip accents (default; for an uncased vocab)")
@@ -523,6 +523,11 @@ def plan_jobs(settings):
         if output.exists() and not output.is_dir():
             raise InputError(f"--output_file {output} is an existing file, not a directory")
         jobs = [([path], output / f"{path.stem}.hdf5") for path in inputs]
+        first_input = {}
+        for (path,), shard in jobs:  # two inputs named alike would write, and count, one shard
+            if first_input.setdefault(shard, path) != path:
+                raise InputError(f"inputs {first_input[shard]} and {path} would both be written to {shard}: "
+                                 "give them different names")
     for _, path in jobs:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(path.parent, os.W_OK):

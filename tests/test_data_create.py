@@ -483,6 +483,21 @@ def test_a_failing_shard_leaves_its_siblings_complete_and_no_temporary_files(cor
     assert read_shard(out / "a.hdf5")["input_ids"].shape[0] > 100
 
 
+def test_two_inputs_with_one_file_name_are_refused_before_any_shard(tmp_path):
+    """a/part_training_0.txt and b/part_training_0.txt both map to OUT/part_training_0.hdf5: one shard used to
+    overwrite the other while the count said 2."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_corpus(tmp_path / folder / "part_training_0.txt", [["One sentence.", "Another sentence."]] * 3)
+    first, second = tmp_path / "a" / "part_training_0.txt", tmp_path / "b" / "part_training_0.txt"
+    result = run_script("--input_file", f"{first},{second}", "--output_file", tmp_path / "out", check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"create_pretraining_data.py: error: inputs {first} and {second} would both be written to "
+        f"{tmp_path / 'out' / 'part_training_0.hdf5'}: give them different names"]
+    assert not list((tmp_path / "out").glob("*"))
+
+
 def test_output_file_naming_an_existing_directory_is_an_error(corpus, tmp_path):
     (tmp_path / "x.hdf5").mkdir()
     result = run_script("--input_file", corpus[0], "--output_file", tmp_path / "x.hdf5", check=False)
