@@ -293,7 +293,7 @@ class S3Store:
                                   Delete={"Objects": [{"Key": self.key(n)} for n in batch], "Quiet": True})
             if response.get("Errors"):
                 first = response["Errors"][0]
-                raise StorageError(f"cannot delete {self.url(first['Key'][len(self.key('')) + 1:])}: "
+                raise StorageError(f"cannot delete {S3_SCHEME}{self.bucket}/{first['Key']}: "  # Key: the whole key
                                    f"{first.get('Code')} ({len(response['Errors'])} object(s) not deleted)")
 
 

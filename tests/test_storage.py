@@ -114,6 +114,30 @@ def test_list_put_get_delete(s3):
     assert [o.name for o in store.list_objects(recursive=True)] == ["b"]
 
 
+@pytest.mark.parametrize("prefix", ["runs", ""])
+def test_an_object_that_cannot_be_deleted_is_named_in_full(s3, prefix):
+    """DeleteObjects answers 200 with a per-key error (as S3 does for a key the policy protects): the error
+    names the object's whole s3:// URL, also for a store at the bucket's root."""
+    from botocore.awsrequest import AWSResponse
+
+    _, bucket, _ = s3
+    store = storage.S3Store(f"s3://{bucket}/{prefix}")
+    store.put_bytes("latest", b"4")
+
+    def access_denied_per_key(request, event_name, **_):
+        if event_name.endswith(".DeleteObjects"):
+            body = ('<?xml version="1.0" encoding="UTF-8"?><DeleteResult><Error><Key>' + store.key("latest")
+                    + "</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error></DeleteResult>")
+            return AWSResponse(request.url, 200, {"Content-Type": "application/xml"}, s3_helpers._Body(body.encode()))
+        return None
+
+    store.client.meta.events.register("before-send.s3", access_denied_per_key)
+    with pytest.raises(storage.StorageError) as info:
+        store.delete(["latest"])
+    expected = f"s3://{bucket}/runs/latest" if prefix else f"s3://{bucket}/latest"
+    assert str(info.value) == f"cannot delete {expected}: AccessDenied (1 object(s) not deleted)"
+
+
 def test_missing_bucket_is_one_line(s3):
     server, _, _ = s3
     with pytest.raises(storage.StorageError) as info:
