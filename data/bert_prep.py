@@ -24,9 +24,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically
+from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically, write_text_atomically
 from common.errors import InputError
 from data import create_pretraining_data, sharding
+from data.shard_format import is_shard_name
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_WIKI_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
@@ -46,6 +47,10 @@ ENV_DEFAULTS = {  # option -> (environment variable, default)
     "masked_lm_prob": ("MASKED_LM_PROB", "0.15"),
     "n_processes": ("N_PROCESSES", str(os.cpu_count() or 1)),
 }
+# In each HDF5 directory: the sharding settings its shards come from, which its name (the reference's, which
+# the launchers look for) does not hold. A rerun with other settings would mix two splits of the corpus.
+SHARDING_MANIFEST = "sharding.json"
+SHARDING_OPTIONS = ("n_training_shards", "n_test_shards", "fraction_test_set")
 
 
 def download_file(url, dest):
@@ -273,6 +278,34 @@ def action_sharding(options, layout):
     print(f"sharding: {out_dir} {'written' if made else 'exists, skipping'}", file=sys.stderr)
 
 
+def check_sharding_manifest(out_dir, text_shards, options):
+    """Record the sharding settings in a new HDF5 directory, or refuse (InputError) to add shards to one made
+    with other settings: create_pretraining_data skips the shards that exist, so the old split's shards would
+    stay beside the new one's (and a test document could be in a training shard)."""
+    wanted = {option: getattr(options, option) for option in SHARDING_OPTIONS}
+    manifest = out_dir / SHARDING_MANIFEST
+    start_over = f"remove {out_dir} to start over"
+    if manifest.exists():
+        try:
+            recorded = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise InputError(f"{manifest} cannot be read ({err}): {start_over}") from err
+        changed = [f"{ENV_DEFAULTS[option][0]} {recorded.get(option)} (this run: {wanted[option]})"
+                   for option in SHARDING_OPTIONS if recorded.get(option) != wanted[option]]
+        if changed:
+            raise InputError(f"{out_dir} holds shards made with other sharding settings: {', '.join(changed)}; "
+                             f"run with the recorded settings, or {start_over}")
+        return
+    made = {p.name for p in out_dir.iterdir() if is_shard_name(p.name)} if out_dir.is_dir() else set()
+    if made:  # made before the settings were recorded: harmless only if complete, so nothing is added
+        if made != {f"{p.stem}.hdf5" for p in text_shards.glob("*.txt")}:
+            raise InputError(f"{out_dir} holds shards but no {SHARDING_MANIFEST}, so the sharding settings they "
+                             f"were made with are unknown: {start_over}")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(manifest, json.dumps(wanted, indent=1) + "\n")
+
+
 def action_create_hdf5_files(options, layout):
     shards = layout.sharded(options.dataset)
     if not shards.exists():
@@ -280,6 +313,7 @@ def action_create_hdf5_files(options, layout):
     for phase in options.phase:
         seq_len, max_pred = PHASES[phase]
         out_dir = layout.hdf5(options.dataset, phase)
+        check_sharding_manifest(out_dir, shards, options)
         print(f"create_hdf5_files: phase {phase} -> {out_dir}", file=sys.stderr)
         settings = create_pretraining_data.parse_arguments([
             "--input_file", str(shards), "--output_file", str(out_dir), "--vocab_file", options.vocab_file,

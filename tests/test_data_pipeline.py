@@ -3,6 +3,7 @@ data/verify_hdf5.py) on the committed sample corpus, offline."""
 import bz2
 import hashlib
 import http.server
+import json
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,10 @@ def sample_run(tmp_path_factory):
 def test_sample_pipeline_writes_both_phases_and_verify_accepts_them(sample_run):
     for phase, name in PHASE_DIRS.items():
         shard_dir = sample_run / name / "books_wiki_en_corpus"
-        assert sorted(p.stem for p in shard_dir.iterdir()) == sorted(SHARD_NAMES)
+        assert sorted(p.stem for p in shard_dir.glob("*.hdf5")) == sorted(SHARD_NAMES)
+        assert json.loads((shard_dir / "sharding.json").read_text()) == {
+            "n_training_shards": 3, "n_test_shards": 1, "fraction_test_set": 0.1}
+        assert {p.name for p in shard_dir.iterdir()} == {f"{name}.hdf5" for name in SHARD_NAMES} | {"sharding.json"}
         with h5py.File(shard_dir / "books_wiki_en_corpus_training_0.hdf5", "r") as f:
             assert f["input_ids"].shape[1] == (128 if phase == 1 else 512)
         result = subprocess.run([sys.executable, str(REPO / "data" / "verify_hdf5.py"), str(shard_dir)],
@@ -81,6 +85,33 @@ def test_rerun_skips_finished_outputs(sample_run):
     assert result.returncode == 0, result.stderr
     assert {p: p.stat().st_mtime_ns for p in sample_run.rglob("*") if p.is_file()} == before
     assert result.stderr.count("skipping") >= 6
+
+
+def test_rerun_with_other_shard_counts_is_refused_instead_of_mixing_two_splits(sample_run, tmp_path):
+    """3 training shards built, then a rerun with N_TRAINING_SHARDS=4: create_pretraining_data would keep
+    training_0..2 of the 3-way split and add training_3 of the 4-way one (the review's case, 4 then 6)."""
+    work = tmp_path / "work"
+    shutil.copytree(sample_run, work)
+    phase1 = work / PHASE_DIRS[1] / "books_wiki_en_corpus"
+    before = {p.name: p.stat().st_mtime_ns for p in phase1.iterdir()}
+    assert prep(work, "--action", "sharding", "--dataset", "books_wiki_en_corpus",
+                N_TRAINING_SHARDS="4").returncode == 0
+    result = prep(work, "--action", "create_hdf5_files", "--dataset", "books_wiki_en_corpus", "--phase", "1",
+                  N_TRAINING_SHARDS="4")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"bert_prep.py --action create_hdf5_files: error: {phase1} holds shards made with other sharding settings: "
+        f"N_TRAINING_SHARDS 3 (this run: 4); run with the recorded settings, or remove {phase1} to start over"]
+    assert {p.name: p.stat().st_mtime_ns for p in phase1.iterdir()} == before
+    # Shards from before the settings were recorded: unknown, so refused unless nothing would be added.
+    (phase1 / "sharding.json").unlink()
+    result = prep(work, "--action", "create_hdf5_files", "--dataset", "books_wiki_en_corpus", "--phase", "1",
+                  N_TRAINING_SHARDS="4")
+    assert result.returncode == 1 and "holds shards but no sharding.json" in result.stderr
+    result = prep(work, "--action", "create_hdf5_files", "--dataset", "books_wiki_en_corpus", "--phase", "1")
+    assert result.returncode == 0 and "skipping 4 existing shard(s)" in result.stderr, result.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in phase1.iterdir()} == {
+        name: mtime for name, mtime in before.items() if name != "sharding.json"}
 
 
 def test_assign_articles_balances_sentences():
