@@ -135,7 +135,7 @@ def main(argv=None, *, make_loss=loss_function) -> dict:
                           tokenizer, args.max_seq_length)
     session = finetuning.start(args, ds_config, "run_glue")
     model = finetuning.build_model(lambda c: BertForSequenceClassification(c, task.num_labels), config, weights,
-                                   session.say)
+                                   session, fine_tune=args.do_train)
     return finetuning.train_then_evaluate(
         session, model, data["train"][1] if args.do_train else None, make_loss(task),
         (lambda: evaluate(session, model, task, data, args.eval_batch_size)) if args.do_eval or args.do_predict

@@ -160,7 +160,8 @@ def main(argv=None) -> dict:
                           version_2_with_negative=args.version_2_with_negative, max_seq_length=args.max_seq_length,
                           doc_stride=args.doc_stride, max_query_length=args.max_query_length)
     session = finetuning.start(args, ds_config, "run_squad")
-    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session.say)
+    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session,
+                                   fine_tune=args.do_train)
     predict = None
     if "predict" in data:
         predict = functools.partial(

@@ -11,7 +11,7 @@ Interface, in the order an entry point's main() calls it:
     tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)  # vocab size == model's
     session = finetuning.start(args, ds_config, "run_glue")  # device, process group, seed + rank, dllogger
     model = finetuning.build_model(lambda config: BertForSequenceClassification(config, 2), config, weights,
-                                   session.say)
+                                   session, fine_tune=args.do_train)  # built under --seed on every rank
     summary = finetuning.train_then_evaluate(session, model, features, loss_fn, evaluate)
     #   = train(session, model, features, loss_fn)  (DeepSpeed; resume; SIGTERM -> checkpoint), then, unless
     #     stopped, evaluate(), which calls predict(session, model, features, batch_size, forward_fn); logged
@@ -96,7 +96,8 @@ def build_parser(description: str, usage: str) -> tuple:
     add("--num_train_epochs", type=float, default=3.0, help="Epochs of training.")
     add("--max_steps", type=float, default=-1.0, help="Optimizer steps; > 0 overrides --num_train_epochs.")
     add("--warmup_proportion", type=float, default=0.1, help="Warm-up fraction of the steps.")
-    add("--seed", type=int, default=42, help="Seed; each process uses seed + its global rank.")
+    add("--seed", type=int, default=42, help="Seed: the model (a fresh head) is built under it on every "
+        "process, which then uses seed + its global rank.")
     add = groups["checkpoints"].add_argument
     add("--output_dir", required=True, help="Predictions, results and checkpoints go here.")
     add("--resume_from_checkpoint", action="store_true", help="Continue from <output_dir>/checkpoints.")
@@ -317,13 +318,17 @@ def start(args, ds_config: dict | None, name: str) -> Session:
                    training=training)
 
 
-def build_model(make_model, config: BertConfig, weights: dict | None, say):
+def build_model(make_model, config: BertConfig, weights: dict | None, session: Session, *, fine_tune: bool):
     """make_model(config) -> a head model of modeling.py, with `weights` loaded: every encoder weight
     (bert.*) must be there; head weights are used when present (a fine-tuned checkpoint), else the head
-    starts fresh; the pretraining heads (cls.*) are not used."""
+    starts fresh, which only fine-tuning (fine_tune: --do_train) may do; the pretraining heads (cls.*) are
+    not used. The model is built under the run's seed, the same on every rank (a fresh head is one head,
+    not one per rank); seed + rank is in force again afterwards, for dropout and the like."""
+    runtime.seed_everything(session.training.seed)
     model = make_model(config)
+    runtime.seed_everything(session.training.seed + session.rank)
     if weights is None:
-        say("no --init_checkpoint: the encoder starts from random weights")
+        session.say("no --init_checkpoint: the encoder starts from random weights")
         return model
     own = model.state_dict()
     missing = sorted(key for key in own if key.startswith("bert.") and key not in weights)
@@ -333,10 +338,16 @@ def build_model(make_model, config: BertConfig, weights: dict | None, say):
         raise InputError(f"--init_checkpoint does not fit the model config (hidden {config.hidden_size}, "
                          f"{config.num_hidden_layers} layers): missing {missing[:3]}, unexpected {unknown[:3]}, "
                          f"other shape {wrong[:3]}")
+    head_missing = sorted(key for key in own if not key.startswith("bert.") and key not in weights)
+    if head_missing and not fine_tune:
+        raise InputError(f"--init_checkpoint has no task head ({', '.join(head_missing)}): evaluation without "
+                         f"--do_train needs fine-tuned weights, e.g. <output_dir>/{CHECKPOINT_SUBDIR} of a "
+                         f"--do_train run")
     loaded = {key: weights[key].float() for key in own if key in weights}
     model.load_state_dict(loaded, strict=False)
     fresh = sorted({key.split(".")[0] for key in own if key not in loaded})
-    say(f"loaded {len(loaded)} tensors from --init_checkpoint" + (f"; fresh: {', '.join(fresh)}" if fresh else ""))
+    session.say(f"loaded {len(loaded)} tensors from --init_checkpoint"
+                + (f"; fresh: {', '.join(fresh)}" if fresh else ""))
     return model
 
 

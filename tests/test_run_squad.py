@@ -245,3 +245,51 @@ def test_squad_help_says_do_eval_and_do_predict_both_read_predict_file():
     helps = {action.option_strings[0]: action.help for action in run_squad.build_parser()._actions}
     assert "--predict_file" in helps["--do_eval"] and "--predict_file" in helps["--do_predict"]
     assert "run_squad.py of --predict_file" in helps["--do_predict"]
+
+
+# ============================================================================ the task head
+
+def pretraining_state_file(tmp_path, drop=()):
+    """A BertForPreTraining state dict of the tiny config (no qa_outputs), saved as the export file is; the keys
+    starting with an entry of `drop` left out."""
+    import torch
+
+    from modeling import BertConfig, BertForPreTraining
+    state = BertForPreTraining(BertConfig.from_json_file(TINY_CONFIG)).state_dict()
+    path = tmp_path / "pretrained.pt"
+    torch.save({key: value for key, value in state.items() if not key.startswith(drop)}, path)
+    return path
+
+
+def test_evaluation_without_training_refuses_a_checkpoint_without_the_head(tmp_path, capfd, squad_files):
+    _, dev = squad_files
+    status = run_squad.cli(squad_argv(tmp_path / "out", init_checkpoint=pretraining_state_file(tmp_path),
+                                      predict_file=dev, do_predict=True, do_eval=True, version_2_with_negative=True))
+    assert one_error_line(capfd, status) == (
+        "error: --init_checkpoint has no task head (qa_outputs.bias, qa_outputs.weight): evaluation without "
+        "--do_train needs fine-tuned weights, e.g. <output_dir>/checkpoints of a --do_train run")
+    assert not (tmp_path / "out" / "predictions.json").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_a_fresh_head_is_built_under_the_seed_on_every_rank_then_seed_plus_rank(tmp_path, rank):
+    """The head equals one built directly after torch.manual_seed(seed), whatever the rank; afterwards the
+    global generator is where torch.manual_seed(seed + rank) puts it."""
+    import types
+
+    import torch
+
+    from finetune import finetuning
+    from finetune.hf_interop import read_state_dict_file
+    from modeling import BertConfig, BertForQuestionAnswering
+    config = BertConfig.from_json_file(TINY_CONFIG)
+    weights = read_state_dict_file(pretraining_state_file(tmp_path), "--init_checkpoint")
+    session = types.SimpleNamespace(rank=rank, training=types.SimpleNamespace(seed=7), say=lambda text: None)
+    torch.manual_seed(1000 + rank)  # what start() left: another state on every rank
+    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session, fine_tune=True)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    expected = BertForQuestionAnswering(config).qa_outputs
+    torch.testing.assert_close(model.qa_outputs.weight, expected.weight, rtol=0, atol=0)
+    torch.testing.assert_close(model.qa_outputs.bias, expected.bias, rtol=0, atol=0)
+    torch.testing.assert_close(after, torch.rand(4, generator=torch.Generator().manual_seed(7 + rank)))
