@@ -74,10 +74,41 @@ def test_output_watcher_takes_the_first_error_and_the_last_checkpoint():
     assert supervisor.OutputWatcher().checkpoint is None
 
 
+# DeepSpeed 0.19.8's per-node launcher (launch.py, sigkill_handler) and pdsh, as they print a rank's non-zero exit
+LAUNCHER_EXIT = ("10.0.0.2: [2026-11-27 01:00:00,000] [ERROR] [launch.py:259:sigkill_handler] "
+                 "['/venv/bin/python', '-u', './run_pretraining.py'] exits with return code = {}")
+PDSH_EXIT = "pdsh@n1: 10.0.0.3: ssh exited with exit code {}"
+
+
+def test_a_failed_rank_without_an_error_line_is_the_reason_and_an_error_line_wins():
+    """Under NCCL a rank aborted by the watchdog prints NCCL's lines, not ours: the launcher's or pdsh's line
+    about its exit is then the reason, without its time stamp (the same failure reads the same each time)."""
+    assert supervisor.failure_sign(LAUNCHER_EXIT.format(-6)) == "a rank on 10.0.0.2 was killed by SIGABRT " \
+                                                              "(DeepSpeed's launcher)"
+    assert supervisor.failure_sign(LAUNCHER_EXIT.format(1)[len("10.0.0.2: "):]) == "a rank exited with status 1 " \
+                                                                                  "(DeepSpeed's launcher)"
+    assert supervisor.failure_sign(PDSH_EXIT.format(255)) == "the ssh to 10.0.0.3 exited with status 255 (pdsh)"
+    for line in [LAUNCHER_EXIT.format(0), PDSH_EXIT.format(0), "10.0.0.1: [rank0]:[E ProcessGroupNCCL.cpp:616] "
+                 "[Rank 0] Watchdog caught collective operation timeout", "10.0.0.2: exits with return code = 3"]:
+        assert supervisor.failure_sign(line) is None, line
+    watcher = supervisor.OutputWatcher()
+    watcher.note("10.0.0.1: [rank0]:[E ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout")
+    assert watcher.reason is None and watcher.failed_at is None
+    watcher.note(LAUNCHER_EXIT.format(-6))
+    watcher.note(PDSH_EXIT.format(255))
+    assert watcher.reason == "a rank on 10.0.0.2 was killed by SIGABRT (DeepSpeed's launcher)"
+    first_sign_at = watcher.failed_at
+    assert first_sign_at is not None
+    watcher.note("10.0.0.3: error: rank 2 on n3 (10.0.0.3): the connection to rank 1 on n2 (10.0.0.2) broke")
+    assert watcher.reason == "rank 2 on n3 (10.0.0.3): the connection to rank 1 on n2 (10.0.0.2) broke"
+    assert watcher.failed_at == first_sign_at  # the grace still counts from the first sign
+
+
 # A stand-in for the `deepspeed` runner: attempt k (counted in a file) copies the hostfile it was given and
 # its arguments, then plays PLAN[k]: "ok" (exit 0), "fail" (saves checkpoint 4k, prints a rank's error
-# line and exits 1), "crash" (the same error from the same checkpoint every time) or "hang" (an error line,
-# then no exit).
+# line and exits 1), "crash" (the same error from the same checkpoint every time), "hang" (an error line,
+# then no exit), or "abort" and "vanish" (no error line of ours: a rank's exit as DeepSpeed's launcher or
+# pdsh reports it, then no exit, pdsh waiting for a server that vanished).
 STUB_RUNNER = textwrap.dedent("""\
     import json, sys, time
     from pathlib import Path
@@ -92,6 +123,11 @@ STUB_RUNNER = textwrap.dedent("""\
     if step == "crash":
         print("10.0.0.1: error: shard_1_training.hdf5 is corrupt", file=sys.stderr, flush=True)
         sys.exit(1)
+    if step in ("abort", "vanish"):
+        print("10.0.0.2: [rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout",
+              file=sys.stderr, flush=True)
+        print(LAUNCHER_EXIT.format(-6) if step == "abort" else PDSH_EXIT.format(255), flush=True)
+        time.sleep(600)
     print(f"10.0.0.1: [run_pretraining] saved checkpoint {4 * (attempt + 1)}", flush=True)
     print(f"10.0.0.1: error: rank 0 on n1 (10.0.0.1): attempt {attempt} lost a peer", file=sys.stderr, flush=True)
     if step == "hang":
@@ -120,7 +156,8 @@ def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3,
     log = tmp_path / "log"
     log.mkdir(parents=True)
     runner = tmp_path / "deepspeed_stub.py"
-    runner.write_text(f"#!{sys.executable}\nLOG = {str(log)!r}\nPLAN = {plan!r}\n" + STUB_RUNNER)
+    runner.write_text(f"#!{sys.executable}\nLOG = {str(log)!r}\nPLAN = {plan!r}\nLAUNCHER_EXIT = {LAUNCHER_EXIT!r}\n"
+                      f"PDSH_EXIT = {PDSH_EXIT!r}\n" + STUB_RUNNER)
     runner.chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"10.0.0.{i + 1} slots=1\n" for i in range(nodes)) + "10.0.0.9 slots=1\n")
@@ -201,6 +238,20 @@ def test_a_runner_that_does_not_exit_after_an_error_is_ended(tmp_path, monkeypat
     status, attempts, _ = run_supervisor(tmp_path, ["hang", "ok"], [{}])
     assert status == 0 and len(attempts) == 2
     assert "supervisor: the job has not ended 1 s after its error: ending the runner" in capsys.readouterr().out
+
+
+def test_a_runner_that_does_not_exit_after_a_rank_failed_without_an_error_line_is_ended(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A rank aborted by NCCL's watchdog (SIGABRT) prints none of our error lines, and pdsh then waits for a
+    server that vanished: the grace starts at the launcher's or pdsh's line, which is the restart's reason."""
+    monkeypatch.setattr(supervisor, "EXIT_GRACE_S", 1.0)
+    status, attempts, events = run_supervisor(tmp_path, ["abort", "vanish", "ok"], [{}, {}])
+    assert status == 0 and len(attempts) == 3
+    out = capsys.readouterr().out
+    assert out.count("supervisor: the job has not ended 1 s after its error: ending the runner") == 2
+    assert [event["reason"] for event in events] == [
+        "a rank on 10.0.0.2 was killed by SIGABRT (DeepSpeed's launcher)",
+        "the ssh to 10.0.0.3 exited with status 255 (pdsh)"]
 
 
 def test_bad_arguments_are_one_line(tmp_path):

@@ -46,12 +46,19 @@ try:
 except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
     from training import dllogger_fallback as dllogger
 
-# After a rank's error line, the time the runner has to exit before it is ended: pdsh waits for every ssh
-# connection, and one to a server that vanished may never end (without ServerAliveInterval in ssh's config).
+# After the first sign of a failed rank, the time the runner has to exit before it is ended: pdsh waits for
+# every ssh connection, and one to a server that vanished may never end (without ServerAliveInterval in ssh's
+# config).
 EXIT_GRACE_S = 60.0
 POLL_S = 0.2
 # A line of the job's output, optionally behind pdsh's "host: " prefix.
 ERROR_LINE = re.compile(r"^(?:\S+: )?error: (.+)$")
+# Signs of a failed rank that come without one of our error lines (a rank aborted by NCCL's watchdog, killed
+# by a signal or the kernel): DeepSpeed's per-node launcher (deepspeed/launcher/launch.py, logger.error) and
+# pdsh report a non-zero exit.
+RANK_EXIT_LINE = re.compile(r"^(?:(?P<host>\S+): )?\[[^\]]*\] \[ERROR\] \[launch\.py:\d+:\w+\] .* "
+                            r"exits with return code = (?P<status>-?\d+)$")
+REMOTE_EXIT_LINE = re.compile(r"^pdsh@\S+: (?P<host>\S+): (?P<command>\S+) exited with exit code (?P<status>\d+)$")
 CHECKPOINT_LINE = re.compile(r"\[run_pretraining\] (?:saved|resumed from) checkpoint ([^:\s]+)")
 
 
@@ -63,21 +70,56 @@ class SupervisorStop(Exception):
 class Outcome:
     """How an attempt ended, as far as its output tells."""
     status: int
-    reason: str | None = None       # the first error line of the job (pdsh's host prefix removed)
+    reason: str | None = None       # the job's first error line (pdsh's host prefix removed), else its first
+                                    # sign of a failed rank (failure_sign)
     checkpoint: str | None = None   # the last checkpoint the ranks saved or resumed from
 
 
+def exit_status_text(status: int) -> str:
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            pass
+    return f"exited with status {status}"
+
+
+def failure_sign(line: str) -> str | None:
+    """The failure that a line of DeepSpeed's launcher or of pdsh reports, in words without its time stamp
+    (so that the same failure reads the same at each attempt); None for any other line."""
+    rank_exit = RANK_EXIT_LINE.match(line)
+    if rank_exit and int(rank_exit["status"]) != 0:
+        where = f" on {rank_exit['host']}" if rank_exit["host"] else ""
+        return f"a rank{where} {exit_status_text(int(rank_exit['status']))} (DeepSpeed's launcher)"
+    remote_exit = REMOTE_EXIT_LINE.match(line)
+    if remote_exit and int(remote_exit["status"]) != 0:
+        command, host, status = remote_exit.group("command", "host", "status")
+        return f"the {command} to {host} exited with status {status} (pdsh)"
+    return None
+
+
 class OutputWatcher:
-    """Copies the job's output through, and notes its first error line and the last checkpoint it names."""
+    """Copies the job's output through, and notes its first error line, its first sign of a failed rank and
+    the last checkpoint it names."""
 
     def __init__(self, checkpoint=None):
-        self.reason, self.checkpoint, self.reason_seen_at = None, checkpoint, None
+        self.error, self.sign, self.checkpoint, self.failed_at = None, None, checkpoint, None
         self.threads = []
+
+    @property
+    def reason(self) -> str | None:
+        """The first error line (pdsh's host prefix removed), else the first sign of a failed rank."""
+        return self.error or self.sign
 
     def note(self, line: str) -> None:
         error = ERROR_LINE.match(line)
-        if error and self.reason is None:
-            self.reason, self.reason_seen_at = error.group(1).strip(), time.monotonic()
+        if error and self.error is None:
+            self.error = error.group(1).strip()
+        sign = None if error else failure_sign(line)
+        if sign and self.sign is None:
+            self.sign = sign
+        if (error or sign) and self.failed_at is None:
+            self.failed_at = time.monotonic()
         saved = CHECKPOINT_LINE.search(line)
         if saved:
             self.checkpoint = saved.group(1)
@@ -224,8 +266,8 @@ class Supervisor:
                 self.stops_forwarded = self.stop_requests
                 if self.signal_ranks(hosts, hosts[0], self.settings.master_port, "TERM") == 0:
                     runner.send_signal(signal.SIGTERM)  # start-up, no rank yet: the runner stops its pdsh
-            elif (not ended and not self.stop_requests and watcher.reason_seen_at is not None
-                  and time.monotonic() - watcher.reason_seen_at > EXIT_GRACE_S):
+            elif (not ended and not self.stop_requests and watcher.failed_at is not None
+                  and time.monotonic() - watcher.failed_at > EXIT_GRACE_S):
                 print(f"supervisor: the job has not ended {EXIT_GRACE_S:g} s after its error: ending the runner",
                       flush=True)
                 os.killpg(runner.pid, signal.SIGKILL)  # the runner, pdsh and its ssh clients
