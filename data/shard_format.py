@@ -1,7 +1,8 @@
 """The HDF5 shard schema shared by the data pipeline and the training-side reader.
 
-The keys, ranks and dtypes are those of the shards written by Google's and NVIDIA's
-``create_pretraining_data.py``, so shards made by either side are interchangeable.
+The keys, ranks and dtypes are those of the HDF5 shards written by NVIDIA's ``create_pretraining_data.py``
+(the reference's data prep), so shards made by either side are interchangeable. Google's original tool writes
+TFRecord files, which this schema is not.
 """
 from pathlib import Path
 

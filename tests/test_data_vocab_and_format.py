@@ -1,4 +1,5 @@
-"""data/vocab.txt is Google's bert-base-uncased vocabulary; data/shard_format.py keeps its schema."""
+"""data/vocab.txt is Google's bert-base-uncased vocabulary; data/shard_format.py keeps the reference's (NVIDIA's)
+HDF5 schema."""
 import hashlib
 import re
 from pathlib import Path
