@@ -91,7 +91,7 @@ def read_documents(path, max_document_chars):
                     raise InputError(f"{path}: binary data (NUL bytes), not text")
                 lines = (tail + chunk).split("\n")
                 tail = lines.pop() if chunk else ""  # the last piece may be an incomplete line
-                if len(tail) > MAX_LINE_CHARS:
+                if len(tail) > MAX_LINE_CHARS or max(map(len, lines), default=0) > MAX_LINE_CHARS:
                     raise InputError(f"{path}: a line of more than {MAX_LINE_CHARS} characters; expected "
                                      "one sentence or paragraph per line")
                 for has_text, group in itertools.groupby((line.strip() for line in lines), key=bool):

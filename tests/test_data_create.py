@@ -461,6 +461,14 @@ def test_a_long_document_is_cut_and_an_endless_line_refused(monkeypatch, tmp_pat
     monkeypatch.setattr(create_pretraining_data, "READ_CHARS", 16)
     with pytest.raises(InputError, match="a line of more than 50 characters"):
         list(create_pretraining_data.read_documents(tmp_path / "long.txt", 1000))
+    # A long line that ends inside one read (the review's 6,000,000-character line in a 4 M read was accepted).
+    (tmp_path / "complete.txt").write_text("short line\n" + "z" * 60 + "\nanother short line\n", encoding="utf-8")
+    for read_chars in (16, 1 << 22):
+        monkeypatch.setattr(create_pretraining_data, "READ_CHARS", read_chars)
+        with pytest.raises(InputError, match="a line of more than 50 characters"):
+            list(create_pretraining_data.read_documents(tmp_path / "complete.txt", 1000))
+    (tmp_path / "fits.txt").write_text("x" * 50 + "\n", encoding="utf-8")
+    assert list(create_pretraining_data.read_documents(tmp_path / "fits.txt", 1000)) == [["x" * 50]]
 
 
 def test_small_blocks_still_give_half_random_next(corpus, tmp_path):
