@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -758,21 +759,26 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
     is 5B) and device_memory (device -> (bytes, description)) are there for tests: a fake clock, a loss that
     turns NaN on chosen steps, HPU lazy-mode graph breaks on the CPU, a device smaller than the run."""
     started = clock()
-    args = parse_arguments(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ds_config, model_config, data, copies = validate_args(args, world_size)
-    try:
-        return train_run(args, started, ds_config, model_config, data, copies, clock=clock,
-                         criterion=criterion if criterion is not None else BertPretrainingCriterion(),
-                         make_graph_breaks=make_graph_breaks, device_memory=device_memory)
-    finally:  # also after an error: the process must not end in the middle of a checkpoint copy
-        if copies is not None:
-            copies.wait()
-        data.shard_files.close()
+    # From the start, SIGTERM/SIGINT (a preemption, forwarded by the launcher) only ask the run to stop: one that
+    # comes during start-up (engine set-up, checkpoint load: minutes for the 5B model) stops the run before its
+    # first step, one during training after the step under way, and none cuts a checkpoint copy short.
+    with runtime.stop_requests() as stop_event:
+        args = parse_arguments(argv)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        ds_config, model_config, data, copies = validate_args(args, world_size)
+        try:
+            return train_run(args, started, ds_config, model_config, data, copies, stop_event, clock=clock,
+                             criterion=criterion if criterion is not None else BertPretrainingCriterion(),
+                             make_graph_breaks=make_graph_breaks, device_memory=device_memory)
+        finally:  # also after an error: the process must not end in the middle of a checkpoint copy
+            if copies is not None:
+                copies.wait()
+            data.shard_files.close()
 
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
-              copies: checkpointing.CheckpointUploader | None, *, clock: Callable[[], float],
+              copies: checkpointing.CheckpointUploader | None, stop_event: threading.Event, *,
+              clock: Callable[[], float],
               criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple]) -> dict:
     """main after validation: the one place that reads the flags for the run (device, logger, engine, resume,
@@ -814,6 +820,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
         return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger, say,
                                 clock() - started)
+    if stop_requested_on_any_rank(stop_event, device):  # during start-up: no step made, so nothing new to save
+        return stopped_before_training(state, logger, say, clock() - started)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
     reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
@@ -839,16 +847,15 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                       args.use_hpu, args.no_cuda)
     train_started = clock()
-    with runtime.stop_requests() as stop_event:
-        try:
-            with profiler if profiler is not None else nullcontext():
-                final = train(run, state, batches, stop_event, profiler)
-        finally:
-            batches.close()
-        # The last checkpoint is on S3 before the run reports success. Still under the stop handler: a repeated
-        # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
-        if copies is not None:
-            copies.finish(device)
+    try:
+        with profiler if profiler is not None else nullcontext():
+            final = train(run, state, batches, stop_event, profiler)
+    finally:
+        batches.close()
+    # The last checkpoint is on S3 before the run reports success. Still under main's stop handler: a repeated
+    # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
+    if copies is not None:
+        copies.finish(device)
     raw_train_time = final["ended"] - train_started
     sequences = micro * gas * world * (state.global_step - first_step)
     model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
@@ -894,6 +901,24 @@ def nothing_to_train(tag: str, max_steps: int, state: TrainState, logger: "dllog
     say(f"checkpoint {tag} is already at --max_steps {max_steps}: nothing to train")
     summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), "stopped_by_signal": False, "nothing_to_train": True}
+    logger.log(step=(), data=summary)
+    logger.flush()
+    return summary
+
+
+def stop_requested_on_any_rank(stop_event: threading.Event, device: torch.device) -> bool:
+    """Collective: whether any rank was asked to stop (the ranks may get a forwarded signal at different times)."""
+    flag = torch.tensor([float(stop_event.is_set())], device=device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
+def stopped_before_training(state: TrainState, logger: "dllogger.Logger", say: Callable[[str], None],
+                            elapsed: float) -> dict:
+    say(f"stop requested (SIGTERM/SIGINT) during start-up: stopping before the first step, at step "
+        f"{state.global_step}")
+    summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
+               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": True}
     logger.log(step=(), data=summary)
     logger.flush()
     return summary

@@ -320,6 +320,43 @@ def test_sigterm_finishes_the_step_saves_and_returns(tmp_path, tiny_shards):
     assert signal.getsignal(signal.SIGTERM) is before  # the driver's handler is removed again
 
 
+class EndedBySigterm(Exception):
+    """What SIGTERM's default action (the end of the process) stands as in an in-process run."""
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_sigterm_during_start_up_stops_before_the_first_step(tmp_path, tiny_shards, resumed):
+    """A real SIGTERM while the run starts: sent from its memory check, once the process group is up, before the
+    model and engine are built and the checkpoint is loaded. The run finishes start-up, makes no step, changes
+    no checkpoint and returns its summary (the command line then exits 0). The handler the test puts in place
+    before the run, which raises, stands for the default action, which ended the ranks before."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4, gas=1)
+    output_dir, json_summary = tmp_path / "checkpoints", tmp_path / "dllogger.json"
+    if resumed:
+        rp.main(helpers.driver_argv(tiny_shards, output_dir, ds_config, json_summary=json_summary, max_steps=2))
+    saved = sorted(p.name for p in output_dir.iterdir()) if resumed else []
+    step_records = len(helpers.step_records(json_summary)) if resumed else 0
+
+    def sigterm_during_start_up(device):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return None, "a device whose memory this test does not give"
+
+    def default_action(*_):
+        raise EndedBySigterm("SIGTERM's default action, outside the driver's stop handler")
+
+    before = signal.signal(signal.SIGTERM, default_action)
+    try:
+        summary = rp.main(helpers.driver_argv(tiny_shards, output_dir, ds_config, json_summary=json_summary,
+                                              max_steps=6, resume_from_checkpoint=resumed),
+                          device_memory=sigterm_during_start_up)
+        assert signal.getsignal(signal.SIGTERM) is default_action  # the driver's handler is removed again
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert summary["stopped_by_signal"] and summary["global_step"] == (2 if resumed else 0)
+    assert len(helpers.step_records(json_summary)) == step_records  # no step
+    assert sorted(p.name for p in output_dir.iterdir()) == saved  # no checkpoint saved or changed
+
+
 # ============================================================================ bad input
 
 def corrupt_key(paths):
