@@ -24,6 +24,7 @@ transformers is never imported here; safetensors and tokenizers are.
 """
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -42,8 +43,6 @@ PRE_LN_AUTO_MAP = {"AutoConfig": "BertPreLNConfig", "AutoModel": "BertPreLNModel
                    "AutoModelForPreTraining": "BertPreLNForPreTraining",
                    "AutoModelForSequenceClassification": "BertPreLNForSequenceClassification",
                    "AutoModelForQuestionAnswering": "BertPreLNForQuestionAnswering"}
-# Keys of a pre-LN config.json that only transformers reads.
-PRE_LN_TRANSFORMERS_KEYS = ("model_type", "architectures", "auto_map", "layer_types")
 PADDED_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
 PADDED_BIAS = ("cls.predictions.bias", "cls.predictions.decoder.bias")
 # Names of old (TF-ported) checkpoints -> modeling_bert.py names.
@@ -69,15 +68,17 @@ def to_transformers_config(config: BertConfig, vocab_size: int | None = None) ->
 
 def from_transformers_config(values: dict, where) -> BertConfig:
     """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (PRE_LN_MODEL_TYPE)."""
+    if values.get("layer_norm_eps", LAYER_NORM_EPS) != LAYER_NORM_EPS:
+        raise InputError(f"{where}: layer_norm_eps {values['layer_norm_eps']} (this model uses {LAYER_NORM_EPS})")
     if values.get("model_type") == PRE_LN_MODEL_TYPE:
-        return BertConfig.from_dict({key: value for key, value in values.items()
-                                     if key not in PRE_LN_TRANSFORMERS_KEYS})
+        # Our own export; transformers' save_pretrained adds keys of its own (transformers_version, dtype,
+        # pad_token_id, layer_norm_eps, ...): BertConfig's fields are what describes the model.
+        fields = {field.name for field in dataclasses.fields(BertConfig)}
+        return BertConfig.from_dict({key: value for key, value in values.items() if key in fields})
     if values["model_type"] != "bert":
         raise InputError(f"{where}: model_type {values['model_type']!r}, not a BERT model")
     if values.get("position_embedding_type", "absolute") != "absolute":
         raise InputError(f"{where}: position_embedding_type {values['position_embedding_type']!r} is not supported")
-    if values.get("layer_norm_eps", LAYER_NORM_EPS) != LAYER_NORM_EPS:
-        raise InputError(f"{where}: layer_norm_eps {values['layer_norm_eps']} (this model uses {LAYER_NORM_EPS})")
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
             "type_vocab_size", "initializer_range")
@@ -136,6 +137,8 @@ def read_hf_directory(path) -> tuple:
     try:
         values = json.loads((path / "config.json").read_text())
         config = from_transformers_config(values, path / "config.json")
+    except InputError:  # its line names the file already
+        raise
     except (OSError, ValueError) as err:
         raise InputError(f"{path / 'config.json'}: {one_line(err)}") from err
     file = next(path / name for name in HF_WEIGHT_FILES if (path / name).is_file())

@@ -185,3 +185,26 @@ def test_export_refuses_a_vocab_of_another_size(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --vocab_file {short_vocab} has 1000 tokens, the model config 30522"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pre_ln_export_resaved_by_transformers_reads_back(tmp_path):
+    """save_pretrained adds keys of its own (transformers_version, dtype, pad_token_id, layer_norm_eps, ...) to
+    the pre-LN config.json: only BertConfig's fields are taken, and the weights are the exported model's."""
+    model, out = export_pre_ln(tmp_path)
+    config = model.config
+    transformers.AutoModelForPreTraining.from_pretrained(out, trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    values = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert {"transformers_version", "layer_norm_eps"} <= set(values) and values["model_type"] == "bert_pre_ln"
+    read_config, read_weights = hf_interop.read_pretrained_weights(tmp_path / "resaved")
+    assert read_config == config
+    for key, value in model.state_dict().items():
+        rows = config.vocab_size if key in hf_interop.PADDED_ROWS + hf_interop.PADDED_BIAS else None
+        assert torch.equal(read_weights[key][:rows], value[:rows]), key
+    # A layer_norm_eps our model would not use is refused, as for a post-LN directory.
+    values["layer_norm_eps"] = 1e-5
+    (tmp_path / "resaved" / "config.json").write_text(json.dumps(values))
+    with pytest.raises(InputError) as caught:
+        hf_interop.read_pretrained_weights(tmp_path / "resaved")
+    assert str(caught.value) == (f"{tmp_path / 'resaved' / 'config.json'}: layer_norm_eps 1e-05 "
+                                 f"(this model uses 1e-12)")
