@@ -49,12 +49,16 @@ import torch.distributed as dist
 from common import deepspeed_config, storage
 from common.errors import InputError
 from finetune.hf_interop import read_config_file, read_pretrained_weights
-from modeling import BertConfig
+from modeling import BertConfig, BertForQuestionAnswering, BertForTokenClassification
 from optimization import get_parameter_groups
 from schedulers import LinearWarmUpScheduler
 from training import checkpointing, runtime
 
 CHECKPOINT_SUBDIR = "checkpoints"
+POOLER_PREFIX = "bert.pooler."
+# Heads that never read the pooler's output: a checkpoint without a pooler (transformers' QA and MLM saves)
+# evaluates them as it is.
+POOLER_UNUSED = (BertForQuestionAnswering, BertForTokenClassification)
 
 
 # ============================================================================ flags
@@ -322,8 +326,10 @@ def build_model(make_model, config: BertConfig, weights: dict | None, session: S
     """make_model(config) -> a head model of modeling.py, with `weights` loaded: every encoder weight
     (bert.*) must be there; head weights are used when present (a fine-tuned checkpoint), else the head
     starts fresh, which only fine-tuning (fine_tune: --do_train) may do; the pretraining heads (cls.*) are
-    not used. The model is built under the run's seed, the same on every rank (a fresh head is one head,
-    not one per rank); seed + rank is in force again afterwards, for dropout and the like."""
+    not used. A checkpoint without a pooler (bert.pooler.*: transformers' question-answering and masked-LM
+    saves) gets a fresh one, as transformers does; evaluation may use it so only with a head that does
+    not read it (POOLER_UNUSED). The model is built under the run's seed, the same on every rank (a fresh
+    head is one head, not one per rank); seed + rank is in force again afterwards, for dropout and the like."""
     runtime.seed_everything(session.training.seed)
     model = make_model(config)
     runtime.seed_everything(session.training.seed + session.rank)
@@ -331,21 +337,31 @@ def build_model(make_model, config: BertConfig, weights: dict | None, session: S
         session.say("no --init_checkpoint: the encoder starts from random weights")
         return model
     own = model.state_dict()
-    missing = sorted(key for key in own if key.startswith("bert.") and key not in weights)
+    pooler = sorted(key for key in own if key.startswith(POOLER_PREFIX))
+    pooler_absent = bool(pooler) and not any(key in weights for key in pooler)  # as in a QA or MLM save
+    encoder = [key for key in own if key.startswith("bert.") and not (pooler_absent and key in pooler)]
+    missing = sorted(key for key in encoder if key not in weights)
     unknown = sorted(key for key in weights if key.startswith("bert.") and key not in own)
     wrong = sorted(key for key in own if key in weights and weights[key].shape != own[key].shape)
-    if missing or unknown or wrong:
+    if wrong:
         raise InputError(f"--init_checkpoint does not fit the model config (hidden {config.hidden_size}, "
-                         f"{config.num_hidden_layers} layers): missing {missing[:3]}, unexpected {unknown[:3]}, "
-                         f"other shape {wrong[:3]}")
+                         f"{config.num_hidden_layers} layers): other shape {wrong[:3]}, missing keys {missing[:3]}, "
+                         f"unexpected keys {unknown[:3]}")
+    if missing or unknown:
+        raise InputError(f"--init_checkpoint does not hold this model's encoder: missing keys {missing[:3]}"
+                         f"{f' (of {len(missing)})' if len(missing) > 3 else ''}, unexpected keys {unknown[:3]}"
+                         f"{f' (of {len(unknown)})' if len(unknown) > 3 else ''}")
     head_missing = sorted(key for key in own if not key.startswith("bert.") and key not in weights)
+    if pooler_absent and not isinstance(model, POOLER_UNUSED):
+        head_missing = pooler + head_missing  # the classifier reads the pooler's output
     if head_missing and not fine_tune:
         raise InputError(f"--init_checkpoint has no task head ({', '.join(head_missing)}): evaluation without "
                          f"--do_train needs fine-tuned weights, e.g. <output_dir>/{CHECKPOINT_SUBDIR} of a "
                          f"--do_train run")
     loaded = {key: weights[key].float() for key in own if key in weights}
     model.load_state_dict(loaded, strict=False)
-    fresh = sorted({key.split(".")[0] for key in own if key not in loaded})
+    fresh = sorted({POOLER_PREFIX.rstrip(".") if key.startswith(POOLER_PREFIX) else key.split(".")[0]
+                    for key in own if key not in loaded})
     session.say(f"loaded {len(loaded)} tensors from --init_checkpoint"
                 + (f"; fresh: {', '.join(fresh)}" if fresh else ""))
     return model

@@ -89,8 +89,8 @@ def from_transformers_config(values: dict, where) -> BertConfig:
 
 def fix_state_dict(state: dict, config: BertConfig) -> dict:
     """Hugging Face names and shapes -> ours: legacy gamma/beta names, a bare BertModel's keys without
-    "bert.", the duplicated decoder bias dropped, the tied decoder weight restored, vocabulary rows padded
-    to config.padded_vocab_size."""
+    "bert.", the duplicated decoder bias and older transformers' position_ids buffer dropped, the tied decoder
+    weight restored, vocabulary rows padded to config.padded_vocab_size."""
     fixed = {}
     for key, value in state.items():
         for old, new in LEGACY_NAME_PARTS:
@@ -100,6 +100,7 @@ def fix_state_dict(state: dict, config: BertConfig) -> dict:
             key = f"bert.{key}"
         fixed[key] = value
     fixed.pop("cls.predictions.decoder.bias", None)  # the same tensor as cls.predictions.bias
+    fixed.pop("bert.embeddings.position_ids", None)  # a buffer (0, 1, 2, ...) in older transformers' saves
     if "cls.predictions.bias" in fixed and "cls.predictions.decoder.weight" not in fixed:
         # transformers' save_pretrained stores the tied decoder weight once, as the word embedding
         fixed["cls.predictions.decoder.weight"] = fixed["bert.embeddings.word_embeddings.weight"]

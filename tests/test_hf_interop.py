@@ -208,3 +208,73 @@ def test_a_pre_ln_export_resaved_by_transformers_reads_back(tmp_path):
         hf_interop.read_pretrained_weights(tmp_path / "resaved")
     assert str(caught.value) == (f"{tmp_path / 'resaved' / 'config.json'}: layer_norm_eps 1e-05 "
                                  f"(this model uses 1e-12)")
+
+
+# ============================================================================ transformers' task checkpoints
+
+def fine_tuning_model(make_model, source, fine_tune, said=None):
+    """finetuning.build_model of run_squad.py / run_glue.py on the weights of `source`."""
+    import types
+
+    from finetune import finetuning
+    config, weights = finetuning.load_pretrained(source, None)
+    session = types.SimpleNamespace(rank=0, training=types.SimpleNamespace(seed=1),
+                                    say=(said.append if said is not None else lambda text: None))
+    return finetuning.build_model(make_model, config, weights, session, fine_tune=fine_tune)
+
+
+def transformers_model(cls, config, path, seed=0):
+    """A transformers model of `config` with random weights everywhere, saved in `path`."""
+    torch.manual_seed(seed)
+    hf_model = cls(transformers.BertConfig(**hf_interop.to_transformers_config(config, config.vocab_size))).eval()
+    with torch.no_grad():
+        for parameter in hf_model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    hf_model.save_pretrained(path)
+    return hf_model
+
+
+def test_a_transformers_question_answering_save_evaluates_with_its_logits(tmp_path):
+    """A BertForQuestionAnswering save has no pooler (SQuAD never reads it): it starts fresh, with a note, and
+    evaluation without training gives transformers' own start and end logits."""
+    from modeling import BertForQuestionAnswering, BertForSequenceClassification
+    config = small_config()
+    hf_model = transformers_model(transformers.BertForQuestionAnswering, config, tmp_path / "qa")
+    assert not any("pooler" in key for key in hf_model.state_dict())
+    said = []
+    model = fine_tuning_model(BertForQuestionAnswering, tmp_path / "qa", fine_tune=False, said=said).eval()
+    assert said[-1].endswith("; fresh: bert.pooler"), said
+    batch = real_pair_batch(transformers.BertTokenizerFast(vocab_file=str(VOCAB), do_lower_case=True))
+    with torch.no_grad():
+        start, end = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        theirs = hf_model(**batch)
+    torch.testing.assert_close(start, theirs.start_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(end, theirs.end_logits, atol=1e-5, rtol=0)
+    # A classifier reads the pooler: fine-tuning starts both fresh; evaluation alone is refused.
+    fine_tuning_model(lambda c: BertForSequenceClassification(c, 2), tmp_path / "qa", fine_tune=True)
+    with pytest.raises(InputError) as caught:
+        fine_tuning_model(lambda c: BertForSequenceClassification(c, 2), tmp_path / "qa", fine_tune=False)
+    assert str(caught.value).startswith("--init_checkpoint has no task head (bert.pooler.dense.bias, "
+                                        "bert.pooler.dense.weight, classifier.bias, classifier.weight)")
+
+
+def test_older_transformers_position_ids_buffer_is_dropped(tmp_path):
+    """pytorch_model.bin of older transformers holds bert.embeddings.position_ids: the weights read as the same
+    save without it; a key the model does not have is named as such."""
+    from modeling import BertForQuestionAnswering
+    config = small_config()
+    hf_model = transformers_model(transformers.BertForPreTraining, config, tmp_path / "new")
+    state = dict(hf_model.state_dict(), **{"bert.embeddings.position_ids": torch.arange(64)[None]})
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    torch.save(state, tmp_path / "old" / "pytorch_model.bin")
+    _, old_weights = hf_interop.read_pretrained_weights(tmp_path / "old")
+    _, new_weights = hf_interop.read_pretrained_weights(tmp_path / "new")
+    assert old_weights.keys() == new_weights.keys()
+    assert all(torch.equal(old_weights[key], new_weights[key]) for key in new_weights)
+    fine_tuning_model(BertForQuestionAnswering, tmp_path / "old", fine_tune=True)
+    torch.save(dict(state, **{"bert.encoder.extra": torch.zeros(1)}), tmp_path / "old" / "pytorch_model.bin")
+    with pytest.raises(InputError) as caught:
+        fine_tuning_model(BertForQuestionAnswering, tmp_path / "old", fine_tune=True)
+    assert str(caught.value) == ("--init_checkpoint does not hold this model's encoder: missing keys [], "
+                                 "unexpected keys ['bert.encoder.extra']")
