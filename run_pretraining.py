@@ -932,9 +932,10 @@ def log_parameters(logger: "dllogger.Logger", args, ds_config: dict) -> None:
 
 
 def cli(argv=None) -> int:
-    """Command-line entry: one clear error line and a non-zero exit code instead of a traceback."""
+    """Command-line entry: one clear error line and a non-zero exit code instead of a traceback. Bad input and
+    a deliberate stop are final (the line says [no restart]): a restart would meet them again."""
     return runtime.run_cli(main, argv, (ShardError, checkpointing.CheckpointError, TrainingStopped,
-                                        storage.StorageError))
+                                        storage.StorageError), final=(InputError, TrainingStopped))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ class InputErrorOnEveryRank(InputError):
     together, through a barrier (see training/runtime.run_cli)."""
 
 
+# The end of the error line of a failure that a restart would meet again: bad input, or a run that stopped
+# itself on purpose (run_pretraining.py's --max_bad_steps). training/supervisor.py restarts a job after a lost
+# server or a failed collective, but not after a line that ends so.
+NO_RESTART_MARK = " [no restart]"
+
+
 def one_line(err: Exception, limit: int = 400) -> str:
     """A (torch) multi-line error text folded into one bounded line, for the one-line CLI error."""
     return " ".join(str(err).split())[:limit]

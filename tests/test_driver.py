@@ -426,14 +426,16 @@ BAD_INPUTS = {
     "negative_memory_budget": (None, {"data_memory_budget_mb": -5}, "--data_memory_budget_mb must be positive"),
     # 0 and -2 used to train silently to --max_steps (only -1 means no limit)
     "zero_steps_this_run": (None, {"steps_this_run": 0},
-                            r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got 0$"),
+                            r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got 0 \[no restart\]$"),
     "negative_steps_this_run": (None, {"steps_this_run": -2},
-                                r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got -2$"),
+                                r"^error: --steps_this_run must be -1 \(no limit\) or at least 1, got -2 "
+                                r"\[no restart\]$"),
     # -5 used to resume from the latest checkpoint, and a step without --resume_from_checkpoint to start afresh
     "negative_resume_step": (None, {"resume_step": -5, "resume_from_checkpoint": True},
-                             r"^error: --resume_step must be -1 \(the latest\) or a checkpoint's step, got -5$"),
+                             r"^error: --resume_step must be -1 \(the latest\) or a checkpoint's step, got -5 "
+                             r"\[no restart\]$"),
     "resume_step_without_resume": (None, {"resume_step": 4},
-                                   r"^error: --resume_step 4 needs --resume_from_checkpoint$"),
+                                   r"^error: --resume_step 4 needs --resume_from_checkpoint \[no restart\]$"),
 }
 
 
@@ -498,7 +500,7 @@ def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shard
     out, err = capsys.readouterr()
     (error,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert re.fullmatch(rf"error: {re.escape(flag)} {re.escape(str(path))} is not writable: (Read-only file system|"
-                        r"Permission denied)", error), error
+                        r"Permission denied) \[no restart\]", error), error
     assert "[run_pretraining]" not in out  # refused while checking the flags: no device, model or step yet
 
 
@@ -521,6 +523,24 @@ def test_bad_input_is_printed_once_per_host_naming_a_host_other_than_rank_0s(tmp
         (line,) = lines
         prefix = printed.format(host=socket.gethostname())
         assert line.startswith(prefix) and str(missing) in line[len(prefix):], line
+
+
+@pytest.mark.parametrize("raised, marked", [
+    (rp.TrainingStopped("3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step 4"), True),
+    (rp.InputError("--input_dir /data does not exist or is not a directory"), True),
+    (rp.ShardError("shard_1.hdf5: cannot read samples 0..15"), False),       # a copy may be good on a restart
+    (checkpointing.CheckpointError("cannot write checkpoint 8 on rank 1"), False)])
+def test_bad_input_and_a_deliberate_stop_say_no_restart(monkeypatch, capsys, raised, marked):
+    """training/supervisor.py restarts a failed job, but a restart would meet bad input or a --max_bad_steps stop
+    again: their line ends with [no restart], which the supervisor does not restart."""
+    monkeypatch.delenv("RANK", raising=False)
+
+    def main(argv):
+        raise raised
+
+    monkeypatch.setattr(rp, "main", main)
+    assert rp.cli([]) == 1
+    assert capsys.readouterr().err == f"error: {raised}{' [no restart]' if marked else ''}\n"
 
 
 def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
@@ -727,7 +747,7 @@ def test_text_file_as_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, c
                    "directory (holding mp_rank_00_model_states.pt) or a state-dict file written by torch.save (ours, "
                    "`python -m training.checkpointing export`'s, or transformers' BertForPreTraining) "
                    "(torch: IndexError: pop from "
-                   "empty list)"]
+                   "empty list) [no restart]"]
 
 
 def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path):

@@ -133,6 +133,7 @@ def test_ranks_whose_copies_of_the_data_differ_stop_before_training(tmp_path):
     errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in outputs[0], outputs[0][-3000:]
     assert re.fullmatch(rf"error: --input_dir {re.escape(str(full))} holds other training shards on rank 1 \(.+\) "
-                        rf"than on rank 0 \(.+\): {names[2]} only on rank 0\. Every server must hold the same shards",
+                        rf"than on rank 0 \(.+\): {names[2]} only on rank 0\. Every server must hold the same shards "
+                        r"\[no restart\]",
                         errors[0]), errors[0]
     assert not list((tmp_path / "out").glob("*/state_*.pt"))

@@ -164,7 +164,7 @@ def test_compile_mode_on_an_hpu_is_refused_under_lazy_mode_before_the_bridge_is_
     else:
         shown = "unset, read as lazy mode" if lazy_mode is None else "'1'"
         assert errors[0] == ("error: --enable_torch_compile with --use_hpu needs Gaudi's compile mode, "
-                             f"PT_HPU_LAZY_MODE=0 (here PT_HPU_LAZY_MODE is {shown})")
+                             f"PT_HPU_LAZY_MODE=0 (here PT_HPU_LAZY_MODE is {shown}) [no restart]")
         assert imported == []
         assert not (tmp_path / "out").exists()
 

@@ -364,7 +364,7 @@ def test_resume_step_is_checked_before_deepspeed_loads(tmp_path, shards, capsys)
     (tmp_path / "other.json").write_text(json.dumps(other))
     cases = [(2, tmp_path / "other.json", f"error: checkpoint {out / '2'} is from another model config "
                                           "(intermediate_size: checkpoint 512 vs run 256)"),
-             (7, helpers.TINY_MODEL_CONFIG, f"error: --resume_step 7: {out} holds no checkpoint 7")]
+             (7, helpers.TINY_MODEL_CONFIG, f"error: --resume_step 7: {out} holds no checkpoint 7 [no restart]")]
     for step, model_config, expected in cases:
         argv = driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=model_config, resume_step=step)
         assert run_pretraining.cli([str(arg) for arg in argv]) == 1

@@ -72,6 +72,8 @@ def test_output_watcher_takes_the_first_error_and_the_last_checkpoint():
     assert watcher.reason == "rank 0 on n1 (10.0.0.1): the connection to rank 1 on n2 (10.0.0.2) broke"
     assert watcher.checkpoint == "6"
     assert supervisor.OutputWatcher().checkpoint is None
+    watcher.note("10.0.0.2: error: rank 1 on n2: --input_dir /data does not exist [no restart]")
+    assert watcher.final == watcher.reason == "rank 1 on n2: --input_dir /data does not exist"
 
 
 # DeepSpeed 0.19.8's per-node launcher (launch.py, sigkill_handler) and pdsh, as they print a rank's non-zero exit
@@ -107,8 +109,10 @@ def test_a_failed_rank_without_an_error_line_is_the_reason_and_an_error_line_win
 # A stand-in for the `deepspeed` runner: attempt k (counted in a file) copies the hostfile it was given and
 # its arguments, then plays PLAN[k]: "ok" (exit 0), "fail" (saves checkpoint 4k, prints a rank's error
 # line and exits 1), "crash" (the same error from the same checkpoint every time), "hang" (an error line,
-# then no exit), or "abort" and "vanish" (no error line of ours: a rank's exit as DeepSpeed's launcher or
-# pdsh reports it, then no exit, pdsh waiting for a server that vanished).
+# then no exit), "abort" and "vanish" (no error line of ours: a rank's exit as DeepSpeed's launcher or
+# pdsh reports it, then no exit, pdsh waiting for a server that vanished), "stopped" (saves checkpoint 4k
+# and stops on purpose at step 4k, as run_pretraining's --max_bad_steps does) or "bad_input" (rank 0 loses
+# its peer, whose host lacks the data: an error marked [no restart], after the first error line).
 STUB_RUNNER = textwrap.dedent("""\
     import json, sys, time
     from pathlib import Path
@@ -122,6 +126,17 @@ STUB_RUNNER = textwrap.dedent("""\
         sys.exit(0)
     if step == "crash":
         print("10.0.0.1: error: shard_1_training.hdf5 is corrupt", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if step == "stopped":
+        print(f"10.0.0.1: [run_pretraining] saved checkpoint {4 * (attempt + 1)}", flush=True)
+        print(f"10.0.0.1: error: 3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step "
+              f"{4 * (attempt + 1)} [no restart]", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if step == "bad_input":
+        print("10.0.0.1: error: rank 0 on n1 (10.0.0.1): the connection to rank 1 on n2 (10.0.0.2) broke",
+              file=sys.stderr, flush=True)
+        print("10.0.0.2: error: rank 1 on n2: --input_dir /data does not exist or is not a directory [no restart]",
+              file=sys.stderr, flush=True)
         sys.exit(1)
     if step in ("abort", "vanish"):
         print("10.0.0.2: [rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout",
@@ -216,6 +231,21 @@ def test_a_repeating_crash_stops_after_n_attempts_with_its_reason(tmp_path, caps
     assert err[-1] == ("error: supervisor: not restarting: the job failed 2 times in a row the same way, from "
                        "the start (no checkpoint seen); the job's last error: shard_1_training.hdf5 is corrupt")
     assert events[-1]["event"] == "stop" and events[-1]["reason"] == "shard_1_training.hdf5 is corrupt"
+
+
+@pytest.mark.parametrize("plan, last_error", [
+    (["stopped", "ok"], "3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step 4"),
+    (["bad_input", "ok"], "rank 1 on n2: --input_dir /data does not exist or is not a directory")])
+def test_a_deliberate_stop_or_bad_input_is_not_restarted(tmp_path, capsys, plan, last_error):
+    """A run that stopped itself (--max_bad_steps) or met bad input would do so again: its error line ends
+    with [no restart] (run_pretraining.py's cli). Before, the stop was restarted until the budget ran out: the
+    step in its line differs at each attempt, so it never failed "the same way"."""
+    status, attempts, events = run_supervisor(tmp_path, plan, [{}])
+    assert status == 1 and len(attempts) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("error: supervisor: not restarting: the job's error is marked [no restart] (bad input, or a "
+                       f"run that stopped itself): a restart would meet it again; the job's last error: {last_error}")
+    assert [(event["event"], event["reason"]) for event in events] == [("stop", last_error)]
 
 
 def test_too_few_hosts_or_no_batch_split_stop_with_one_line(tmp_path, capsys):

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.errors import InputError, InputErrorOnEveryRank, one_line
+from common.errors import NO_RESTART_MARK, InputError, InputErrorOnEveryRank, one_line
 from training import gaudi
 
 try:
@@ -464,11 +464,12 @@ def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: boo
 
 # ============================================================================ command line
 
-def run_cli(main, argv, errors: tuple) -> int:
+def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     """main(argv) with one clear error line and exit status 1 for `errors` (plus InputError) instead of a
     traceback. The ranks of one host meet the same bad input: its first local rank prints it, and on another
     host than rank 0's it names itself (a file missing on that host alone would otherwise fail silently there
-    while rank 0 waits for it)."""
+    while rank 0 waits for it). The line of an error of a `final` type ends with NO_RESTART_MARK: a restart
+    would meet it again (training/supervisor.py)."""
     leave_together = False  # every rank ended the same way: they can meet at a barrier
     try:
         main(argv)
@@ -476,10 +477,11 @@ def run_cli(main, argv, errors: tuple) -> int:
     except (InputError, *errors) as err:
         leave_together = isinstance(err, InputErrorOnEveryRank)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+        mark = NO_RESTART_MARK if isinstance(err, final) else ""
         if rank == "0" or not isinstance(err, InputError):
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            print(f"error: {err}{mark}", file=sys.stderr, flush=True)
         elif local_rank == "0":
-            print(f"error: rank {rank} on {socket.gethostname()}: {err}", file=sys.stderr, flush=True)
+            print(f"error: rank {rank} on {socket.gethostname()}: {err}{mark}", file=sys.stderr, flush=True)
         status = 1
     except (RuntimeError, dist.DistError) as err:
         message = describe_collective_failure(err)

@@ -15,9 +15,10 @@ When an attempt exits non-zero (a rank died, a collective timed out, a host beca
   (training/hosts.py: ssh, the same code, Python and pinned packages, the data directory);
 - the next attempt runs on the hosts that pass, as many of them as keep the DeepSpeed config's global batch
   (the accumulation steps adapt), resuming from the last checkpoint; a host that passes again is back;
-- it stops, with one `error: supervisor:` line, when fewer than --min_hosts hosts can be used, when
-  --max_restarts restarts were made within --restart_window_s seconds, or when the job failed --max_restarts
-  times in a row the same way (the same error line, from the same checkpoint).
+- it stops, with one `error: supervisor:` line, when a rank's error line ends with " [no restart]" (bad
+  input, or a run that stopped itself: common/errors.py NO_RESTART_MARK), when fewer than --min_hosts hosts can
+  be used, when --max_restarts restarts were made within --restart_window_s seconds, or when the job failed
+  --max_restarts times in a row the same way (the same error line, from the same checkpoint).
 Each restart is one `supervisor:` line on stdout and a record (step "SUPERVISOR") in the dllogger stream.
 SIGTERM/SIGINT: the ranks on every host of the attempt are signalled (scripts/signal_ranks.sh over pdsh):
 they save a checkpoint and exit 0, and so does the supervisor; nothing is restarted.
@@ -38,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from common.deepspeed_config import DeepSpeedConfigError, read_batch_arithmetic
-from common.errors import InputError
+from common.errors import NO_RESTART_MARK, InputError
 from training.hosts import REPO_ROOT, hosts_for_job, parse_hostfile, problems_by_host
 
 try:
@@ -71,8 +72,9 @@ class Outcome:
     """How an attempt ended, as far as its output tells."""
     status: int
     reason: str | None = None       # the job's first error line (pdsh's host prefix removed), else its first
-                                    # sign of a failed rank (failure_sign)
+                                    # sign of a failed rank (failure_sign); a final error line before both
     checkpoint: str | None = None   # the last checkpoint the ranks saved or resumed from
+    final: bool = False             # an error line ended with NO_RESTART_MARK: a restart would meet it again
 
 
 def exit_status_text(status: int) -> str:
@@ -99,22 +101,27 @@ def failure_sign(line: str) -> str | None:
 
 
 class OutputWatcher:
-    """Copies the job's output through, and notes its first error line, its first sign of a failed rank and
-    the last checkpoint it names."""
+    """Copies the job's output through, and notes its first error line, its first final one (NO_RESTART_MARK),
+    its first sign of a failed rank and the last checkpoint it names."""
 
     def __init__(self, checkpoint=None):
-        self.error, self.sign, self.checkpoint, self.failed_at = None, None, checkpoint, None
+        self.error, self.final, self.sign, self.checkpoint, self.failed_at = None, None, None, checkpoint, None
         self.threads = []
 
     @property
     def reason(self) -> str | None:
-        """The first error line (pdsh's host prefix removed), else the first sign of a failed rank."""
-        return self.error or self.sign
+        """The first final error line, else the first error line (pdsh's host prefix and the mark removed),
+        else the first sign of a failed rank."""
+        return self.final or self.error or self.sign
 
     def note(self, line: str) -> None:
         error = ERROR_LINE.match(line)
-        if error and self.error is None:
-            self.error = error.group(1).strip()
+        if error:
+            text = error.group(1).strip()
+            if text.endswith(NO_RESTART_MARK) and self.final is None:
+                self.final = text.removesuffix(NO_RESTART_MARK)
+            if self.error is None:
+                self.error = text
         sign = None if error else failure_sign(line)
         if sign and self.sign is None:
             self.sign = sign
@@ -230,6 +237,9 @@ class Supervisor:
             if outcome.status == 0 or self.stop_requests:
                 return outcome.status
             try:
+                if outcome.final:
+                    raise SupervisorStop(f"the job's error is marked {NO_RESTART_MARK.strip()} (bad input, or a run "
+                                         "that stopped itself): a restart would meet it again")
                 refusal = self.budget.refusal(outcome, time.monotonic())
                 if refusal:
                     raise SupervisorStop(refusal)
@@ -274,7 +284,7 @@ class Supervisor:
                 ended = True
             time.sleep(POLL_S)
         watcher.join(timeout=10)
-        return Outcome(runner.returncode, watcher.reason, watcher.checkpoint)
+        return Outcome(runner.returncode, watcher.reason, watcher.checkpoint, final=watcher.final is not None)
 
     # ---------------------------------------------------------------- hosts
     def end_leftovers(self, hosts: list, previous_master: str) -> None:
