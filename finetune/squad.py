@@ -58,12 +58,15 @@ class SquadFeatures:
 
 
 def _get(obj, key, kind, where, path):
-    """obj[key], which must be of `kind`; otherwise one InputError naming the file and the place."""
+    """obj[key], which must be of `kind` (a type or a tuple of types); otherwise one InputError naming the file
+    and the place."""
     if not isinstance(obj, dict) or key not in obj:
         raise InputError(f"{path}: {where} has no '{key}' field")
     value = obj[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InputError(f"{path}: {where}.{key} is a {type(value).__name__}, not {kind.__name__}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (int in kinds and isinstance(value, bool)):  # JSON true is no number
+        raise InputError(f"{path}: {where}.{key} is a {type(value).__name__}, not "
+                         f"{' or '.join(k.__name__ for k in kinds)}")
     return value
 
 

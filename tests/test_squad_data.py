@@ -123,6 +123,10 @@ def test_prediction_file_needs_no_answers(tmp_path):
     ('{"data": [{"paragraphs": [{"context": "x", "qas": [{"id": "a", "question": "q", "answers": '
      '[{"text": "x", "answer_start": "0"}]}]}]}]}', r"qas\[0\]\.answers\[0\]\.answer_start is a str, not int"),
     ('{"data": []}', r"holds no questions"),
+    ('{"data": [{"paragraphs": [{"context": "x", "qas": [{"id": 1.5, "question": "q", "answers": []}]}]}]}',
+     r"data\[0\]\.paragraphs\[0\]\.qas\[0\]\.id is a float, not str or int$"),
+    ('{"data": [{"paragraphs": [{"context": "x", "qas": [{"id": true, "question": "q", "answers": []}]}]}]}',
+     r"qas\[0\]\.id is a bool, not str or int$"),
 ])
 def test_bad_files_name_the_place(tmp_path, content, message):
     path = tmp_path / "bad.json"
