@@ -110,8 +110,18 @@ def _full_disk_save(function, should_fail):
     return wrapper
 
 
+def _sigterm_before(function, should_signal):
+    """At the chosen call, SIGTERM this process first (a preemption's signal that reaches one rank while it
+    starts up)."""
+    def wrapper(*args, **kwargs):
+        if should_signal():
+            os.kill(os.getpid(), signal.SIGTERM)
+        return function(*args, **kwargs)
+    return wrapper
+
+
 # event -> (module, attribute, how): where the process is killed (or, for torch_save_enospc, where
-# one write fails as on a full disk).
+# one write fails as on a full disk; for sigterm_at_engine_set_up, where it gets a SIGTERM).
 KILL_EVENTS = {
     "torch_save_enospc": ("torch", "save", _full_disk_save),
     "backward": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _kill_before),  # mid step
@@ -119,6 +129,7 @@ KILL_EVENTS = {
     "torch_save": ("torch", "save", _torn_save),  # inside a checkpoint save: a file half written
     "replace": ("os", "replace", _kill_before),  # inside a save: rank file, manifest or `latest` not renamed
     "hold": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _hold_before),  # wait for an outside kill
+    "sigterm_at_engine_set_up": ("deepspeed", "initialize", _sigterm_before),  # start-up, before any step
 }
 
 
@@ -538,6 +549,20 @@ def test_preemption_saves_and_resumes_exactly(tmp_path, shards, references, targ
     resumed = run(driver_args(shards, out, config, tmp_path / "b.json", steps), world)
     assert f"resumed from checkpoint {stopped}" in resumed
     assert_same_training(references.get(world, stage, bf16, steps), [output, resumed], out / str(steps), steps)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_during_start_up_stops_every_rank_before_the_first_step(tmp_path, shards):
+    """Rank 1 alone gets a SIGTERM as it sets up its engine (after the process group is up, before any
+    checkpoint load and step): both ranks finish start-up, agree to stop before the first step and exit 0,
+    and so does the launcher. No step is made and nothing is saved."""
+    config, out = ds_config(tmp_path, 1, True, 2), tmp_path / "out"
+    status, output = finish(start(driver_args(shards, out, config, tmp_path / "a.json", 8), 2,
+                                  kill="sigterm_at_engine_set_up:1:1"))
+    assert status == 0 and "Traceback" not in output, output[-3000:]
+    assert "stop requested (SIGTERM/SIGINT) during start-up: stopping before the first step, at step 0" in output
+    assert "stopped_by_signal : True" in output and "Training Iteration" not in output
+    assert not out.exists() or list(out.iterdir()) == []
 
 
 @pytest.mark.slow
