@@ -140,10 +140,13 @@ def score(result, predict_file: str, output_dir: Path, version_2_with_negative: 
     """The official scripts' figures (eval_results.json in output_dir) of result's answers to predict_file, and
     NVIDIA's dllogger names for the main two."""
     dataset = squad.load_json(predict_file)
+    # The rules (and keys) are those the flag chose, whatever the file's "version" says: a "v2.0" file without
+    # unanswerable questions is read as v1.1 without --version_2_with_negative.
     if version_2_with_negative:  # a question counts as unanswered exactly when its prediction is ""
-        figures = squad_metrics.evaluate(dataset, result.answers, result.null_odds, null_score_diff_threshold)
+        figures = squad_metrics.evaluate(dataset, result.answers, result.null_odds, null_score_diff_threshold,
+                                         v2_rules=True)
     else:
-        figures = squad_metrics.evaluate(dataset, result.answers)
+        figures = squad_metrics.evaluate(dataset, result.answers, v2_rules=False)
     write_json(output_dir / "eval_results.json", figures)
     exact = figures.pop("exact" if version_2_with_negative else "exact_match")
     return {"exact_match": exact, "F1": figures.pop("f1"), **figures}

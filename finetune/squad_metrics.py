@@ -125,9 +125,12 @@ def _summary(exact, f1, qids, prefix=""):
             f"{prefix}f1": 100.0 * sum(f1[q] for q in qids) / total, f"{prefix}total": total}
 
 
-def evaluate(dataset_json, predictions: dict, na_probs=None, na_prob_thresh=1.0) -> dict:
-    """The official scripts' figures (see the module docstring) for a parsed dataset and {id: text}."""
-    v2_rules = na_probs is not None or is_version_2(dataset_json)
+def evaluate(dataset_json, predictions: dict, na_probs=None, na_prob_thresh=1.0, v2_rules: bool | None = None) -> dict:
+    """The official scripts' figures (see the module docstring) for a parsed dataset and {id: text}. v2_rules:
+    which script's rules (and keys) apply; None: as the file says (its "version", or a question without
+    answers) or as na_probs implies. run_squad.py passes its --version_2_with_negative."""
+    if v2_rules is None:
+        v2_rules = na_probs is not None or is_version_2(dataset_json)
     questions = read_questions(dataset_json, v2_rules)
     exact, f1 = raw_scores(questions, predictions, v2_rules)
     if not v2_rules:

@@ -148,3 +148,34 @@ def test_cli_malformed_json_is_one_line(tmp_path):
     result = run_cli(tmp_path / "dev.json", tmp_path / "pred.json")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "dev.json: malformed JSON at line 2 column" in result.stderr
+
+
+def v2_file_without_unanswerable_questions():
+    return {"version": "v2.0", "data": [{"paragraphs": [{"context": "Paris is in France.", "qas": [
+        {"id": "q1", "question": "Where?", "answers": [{"text": "France", "answer_start": 12}]},
+        {"id": "q2", "question": "What?", "answers": [{"text": "Paris", "answer_start": 0}]}]}]}]}
+
+
+def test_the_caller_chooses_the_rules_whatever_the_files_version():
+    """A "v2.0" file whose questions all have answers: v2_rules=False gives the v1.1 keys, v2_rules=True the
+    v2.0 ones. Hand-computed: q1 exact; q2 "in Paris" against "Paris": EM 0, F1 2*(1/2*1)/(1/2+1) = 2/3."""
+    dataset, predictions = v2_file_without_unanswerable_questions(), {"q1": "France", "q2": "in Paris"}
+    assert m.evaluate(dataset, predictions, v2_rules=False) == pytest.approx(
+        {"exact_match": 50.0, "f1": 100.0 * (1 + 2 / 3) / 2})
+    v2 = m.evaluate(dataset, predictions, v2_rules=True)
+    assert v2["exact"] == 50.0 and v2["f1"] == pytest.approx(100.0 * (1 + 2 / 3) / 2) and v2["HasAns_total"] == 2
+    assert "exact" in m.evaluate(dataset, predictions)  # left to the file: its "version" says v2.0
+
+
+def test_run_squad_scores_under_the_flags_rules(tmp_path):
+    """run_squad.py without --version_2_with_negative on that file: the keys it promises (exact_match, F1),
+    not a KeyError after all the work."""
+    import run_squad
+    from finetune import squad
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(v2_file_without_unanswerable_questions()))
+    result = squad.SquadPredictions({"q1": "France", "q2": "in Paris"}, {}, {})
+    figures = run_squad.score(result, str(path), tmp_path, False, 0.0)
+    assert figures == pytest.approx({"exact_match": 50.0, "F1": 100.0 * (1 + 2 / 3) / 2})
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == pytest.approx(
+        {"exact_match": 50.0, "f1": 100.0 * (1 + 2 / 3) / 2})
