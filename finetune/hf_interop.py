@@ -68,6 +68,11 @@ def to_transformers_config(config: BertConfig, vocab_size: int | None = None) ->
 
 def from_transformers_config(values: dict, where) -> BertConfig:
     """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (PRE_LN_MODEL_TYPE)."""
+    if not isinstance(values, dict):
+        raise InputError(f"{where}: a model config must be a JSON object")
+    if "model_type" not in values:
+        raise InputError(f"{where}: no 'model_type' key (a Hugging Face BERT config.json has \"model_type\": "
+                         f"\"bert\")")
     if values.get("layer_norm_eps", LAYER_NORM_EPS) != LAYER_NORM_EPS:
         raise InputError(f"{where}: layer_norm_eps {values['layer_norm_eps']} (this model uses {LAYER_NORM_EPS})")
     if values.get("model_type") == PRE_LN_MODEL_TYPE:

@@ -278,3 +278,18 @@ def test_older_transformers_position_ids_buffer_is_dropped(tmp_path):
         fine_tuning_model(BertForQuestionAnswering, tmp_path / "old", fine_tune=True)
     assert str(caught.value) == ("--init_checkpoint does not hold this model's encoder: missing keys [], "
                                  "unexpected keys ['bert.encoder.extra']")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda values: {key: value for key, value in values.items() if key != "model_type"},
+     "no 'model_type' key (a Hugging Face BERT config.json has \"model_type\": \"bert\")"),
+    (lambda values: [values], "a model config must be a JSON object"),
+])
+def test_a_config_json_without_model_type_is_one_error_naming_the_file(tmp_path, capsys, edit, message):
+    transformers_model(transformers.BertForPreTraining, small_config(), tmp_path / "hf")
+    config_json = tmp_path / "hf" / "config.json"
+    config_json.write_text(json.dumps(edit(json.loads(config_json.read_text()))))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert hf_interop.main(["export", "--checkpoint", str(tmp_path / "hf"), "--vocab_file", str(VOCAB),
+                            "--output_dir", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {config_json}: {message}"]
