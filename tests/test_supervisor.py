@@ -8,9 +8,11 @@ the real thing across three namespace hosts (tests/multihost.py: sshd, pdsh, the
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -142,13 +144,16 @@ STUB_RUNNER = textwrap.dedent("""\
         print("10.0.0.2: [rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout",
               file=sys.stderr, flush=True)
         print(LAUNCHER_EXIT.format(-6) if step == "abort" else PDSH_EXIT.format(255), flush=True)
-        time.sleep(600)
+        time.sleep(HANG_S)
     print(f"10.0.0.1: [run_pretraining] saved checkpoint {4 * (attempt + 1)}", flush=True)
     print(f"10.0.0.1: error: rank 0 on n1 (10.0.0.1): attempt {attempt} lost a peer", file=sys.stderr, flush=True)
     if step == "hang":
-        time.sleep(600)
+        time.sleep(HANG_S)
     sys.exit(1)
     """)
+
+
+HANG_S = 30  # a runner that "does not exit" exits after this: a supervisor that fails to end it is slow, not hung
 
 
 class Recorder:
@@ -164,15 +169,25 @@ class Recorder:
         return problems
 
 
-def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3, total=24, signalled=None):
+def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3, total=24, signalled=None,
+                   ranks_found=0, stop_at_s=None, stop_on=None):
     """Runs the supervisor over the stand-in runner; `signalled`, a list, receives the arguments of each
-    signal_ranks call (the stand-in has no remote ranks to signal)."""
+    signal_ranks call (the stand-in has no remote ranks to signal), which returns `ranks_found`. A stop is
+    requested (as by SIGTERM's handler) `stop_at_s` seconds after the start, or during the signal_ranks call
+    for `stop_on` ("KILL": while the leftovers of the last attempt are ended, before a restart)."""
     signalled = [] if signalled is None else signalled
+
+    def signal_ranks(*call):
+        signalled.append(call)
+        if call[3] == stop_on:
+            job.request_stop(signal.SIGTERM, None)
+        return ranks_found
+
     log = tmp_path / "log"
     log.mkdir(parents=True)
     runner = tmp_path / "deepspeed_stub.py"
     runner.write_text(f"#!{sys.executable}\nLOG = {str(log)!r}\nPLAN = {plan!r}\nLAUNCHER_EXIT = {LAUNCHER_EXIT!r}\n"
-                      f"PDSH_EXIT = {PDSH_EXIT!r}\n" + STUB_RUNNER)
+                      f"PDSH_EXIT = {PDSH_EXIT!r}\nHANG_S = {HANG_S}\n" + STUB_RUNNER)
     runner.chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"10.0.0.{i + 1} slots=1\n" for i in range(nodes)) + "10.0.0.9 slots=1\n")
@@ -181,10 +196,11 @@ def run_supervisor(tmp_path, plan, checks, max_restarts=3, min_hosts=1, nodes=3,
         deepspeed_config=ds_config(tmp_path, total=total), data_dir=tmp_path, json_summary=tmp_path / "dllogger.json",
         max_restarts=max_restarts, restart_window_s=3600, min_hosts=min_hosts, ssh_timeout=5)
     job = supervisor.Supervisor(settings, [str(runner), "--no_python", "prog", "--flag"], tmp_path / "work",
-                                check_hosts=Recorder(checks),
-                                signal_ranks=lambda *call: signalled.append(call) or 0)
+                                check_hosts=Recorder(checks), signal_ranks=signal_ranks)
     (tmp_path / "work").mkdir()
     attempts = []
+    if stop_at_s is not None:
+        threading.Timer(stop_at_s, job.request_stop, (signal.SIGTERM, None)).start()
     status = job.run()
     for k in range(len(list(log.glob("args_*")))):
         attempts.append(((log / f"hosts_{k}").read_text().split("\n")[:-1],
@@ -267,6 +283,20 @@ def test_a_runner_that_does_not_exit_after_an_error_is_ended(tmp_path, monkeypat
     monkeypatch.setattr(supervisor, "EXIT_GRACE_S", 1.0)
     status, attempts, _ = run_supervisor(tmp_path, ["hang", "ok"], [{}])
     assert status == 0 and len(attempts) == 2
+    assert "supervisor: the job has not ended 1 s after its error: ending the runner" in capsys.readouterr().out
+
+
+def test_a_runner_that_does_not_exit_after_an_error_is_ended_after_a_stop_request_too(tmp_path, monkeypatch, capsys):
+    """SIGTERM while pdsh waits for a server that vanished: the ranks were signalled (signal_ranks found
+    some), the runner never ends by itself. The grace used to be off once a stop was requested: a hang."""
+    monkeypatch.setattr(supervisor, "EXIT_GRACE_S", 1.0)
+    signalled = []
+    started = time.monotonic()
+    status, attempts, events = run_supervisor(tmp_path, ["hang", "ok"], [{}], signalled=signalled, ranks_found=1,
+                                              stop_at_s=0.3)
+    assert time.monotonic() - started < HANG_S / 2
+    assert status == -signal.SIGKILL and len(attempts) == 1 and events == []  # stopped: no restart
+    assert [call[3] for call in signalled] == ["TERM"]
     assert "supervisor: the job has not ended 1 s after its error: ending the runner" in capsys.readouterr().out
 
 

@@ -276,7 +276,9 @@ class Supervisor:
                 self.stops_forwarded = self.stop_requests
                 if self.signal_ranks(hosts, hosts[0], self.settings.master_port, "TERM") == 0:
                     runner.send_signal(signal.SIGTERM)  # start-up, no rank yet: the runner stops its pdsh
-            elif (not ended and not self.stop_requests and watcher.failed_at is not None
+            # After a stop request too: a failed rank cannot take part in the stop's checkpoint (every rank
+            # saves its part, then rank 0 the manifest), so the runner has nothing left to wait for but pdsh.
+            elif (not ended and watcher.failed_at is not None
                   and time.monotonic() - watcher.failed_at > EXIT_GRACE_S):
                 print(f"supervisor: the job has not ended {EXIT_GRACE_S:g} s after its error: ending the runner",
                       flush=True)
