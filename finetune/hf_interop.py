@@ -37,6 +37,8 @@ from common.errors import InputError, one_line
 from modeling import LAYER_NORM_EPS, BertConfig
 
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# A sharded save: the index maps every key to the file (in the same directory) that holds it.
+HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 PRE_LN_MODEL_TYPE = "bert_pre_ln"  # our own format: no transformers class has this wiring
 PRE_LN_MODELING_FILE = Path(__file__).with_name("hf_modeling_pre_ln.py")  # transformers' remote code for it
 PRE_LN_AUTO_MAP = {"AutoConfig": "BertPreLNConfig", "AutoModel": "BertPreLNModel",
@@ -133,7 +135,8 @@ def unpadded_state_dict(state: dict, config: BertConfig) -> dict:
 
 def is_hf_directory(path) -> bool:
     path = Path(path)
-    return (path / "config.json").is_file() and any((path / name).is_file() for name in HF_WEIGHT_FILES)
+    return (path / "config.json").is_file() and any((path / name).is_file()
+                                                    for name in HF_WEIGHT_FILES + HF_INDEX_FILES)
 
 
 def read_hf_directory(path) -> tuple:
@@ -147,8 +150,34 @@ def read_hf_directory(path) -> tuple:
         raise
     except (OSError, ValueError) as err:
         raise InputError(f"{path / 'config.json'}: {one_line(err)}") from err
-    file = next(path / name for name in HF_WEIGHT_FILES if (path / name).is_file())
-    return config, fix_state_dict(read_state_dict_file(file, "--init_checkpoint"), config)
+    file = next(path / name for name in HF_WEIGHT_FILES + HF_INDEX_FILES if (path / name).is_file())
+    state = read_sharded_state_dict(file, "--init_checkpoint") if file.name in HF_INDEX_FILES \
+        else read_state_dict_file(file, "--init_checkpoint")
+    return config, fix_state_dict(state, config)
+
+
+def read_sharded_state_dict(index: Path, flag: str) -> dict:
+    """The state dict of a sharded Hugging Face save: index's weight_map {key: shard file name}, every key
+    read from the shard it names."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError("weight_map is not an object of file names")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{flag}: {index}: {one_line(err) if not isinstance(err, KeyError) else 'no weight_map'}") \
+            from err
+    state, absent = {}, []
+    for name in sorted(set(weight_map.values())):
+        shard = index.parent / name
+        if Path(name).name != name or not shard.is_file():
+            raise InputError(f"{flag}: {index} names the shard {name!r}, which is not a file in {index.parent}")
+        part = read_state_dict_file(shard, flag)
+        absent += [key for key, named in weight_map.items() if named == name and key not in part]
+        state.update(part)
+    if absent:
+        raise InputError(f"{flag}: {index}: {len(absent)} key(s) not in the shard named for them (first: "
+                         f"{absent[0]} in {weight_map[absent[0]]})")
+    return state
 
 
 # ============================================================================ export

@@ -293,3 +293,32 @@ def test_a_config_json_without_model_type_is_one_error_naming_the_file(tmp_path,
     assert hf_interop.main(["export", "--checkpoint", str(tmp_path / "hf"), "--vocab_file", str(VOCAB),
                             "--output_dir", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err.splitlines() == [f"error: {config_json}: {message}"]
+
+
+def test_a_sharded_transformers_save_reads_as_the_unsharded_one(tmp_path):
+    """save_pretrained(max_shard_size=...) writes model.safetensors.index.json and shards: the weights read are
+    those of the same model saved in one file; a shard that is gone is one error naming it."""
+    config = small_config()
+    hf_model = transformers_model(transformers.BertForPreTraining, config, tmp_path / "whole")
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    read_config, sharded = hf_interop.read_pretrained_weights(tmp_path / "sharded")
+    _, whole = hf_interop.read_pretrained_weights(tmp_path / "whole")
+    assert read_config == config and sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[key], whole[key]) for key in whole)
+    # An index that names the wrong shard for a key.
+    key = next(key for key, name in index["weight_map"].items() if name == shards[0])
+    index_file = tmp_path / "sharded" / "model.safetensors.index.json"
+    index_file.write_text(json.dumps({"weight_map": dict(index["weight_map"], **{key: shards[-1]})}))
+    with pytest.raises(InputError) as caught:
+        hf_interop.read_pretrained_weights(tmp_path / "sharded")
+    assert str(caught.value) == (f"--init_checkpoint: {index_file}: 1 key(s) not in the shard named for them "
+                                 f"(first: {key} in {shards[-1]})")
+    index_file.write_text(json.dumps(index))
+    (tmp_path / "sharded" / shards[-1]).unlink()
+    with pytest.raises(InputError) as caught:
+        hf_interop.read_pretrained_weights(tmp_path / "sharded")
+    assert str(caught.value) == (f"--init_checkpoint: {tmp_path / 'sharded' / 'model.safetensors.index.json'} "
+                                 f"names the shard {shards[-1]!r}, which is not a file in {tmp_path / 'sharded'}")
