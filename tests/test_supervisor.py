@@ -300,6 +300,21 @@ def test_a_runner_that_does_not_exit_after_an_error_is_ended_after_a_stop_reques
     assert "supervisor: the job has not ended 1 s after its error: ending the runner" in capsys.readouterr().out
 
 
+def test_a_stop_while_a_restart_is_prepared_starts_no_attempt(tmp_path, capsys):
+    """SIGTERM while the leftovers of the failed attempt are ended (after the host checks): no new attempt, no
+    restart line or record. It used to say "restart 1" and start a runner that was SIGTERMed at once (-15)."""
+    signalled = []
+    status, attempts, events = run_supervisor(tmp_path, ["fail", "ok"], [{}], signalled=signalled, stop_on="KILL")
+    assert status == 1 and len(attempts) == 1
+    assert [call[3] for call in signalled] == ["KILL"]
+    captured = capsys.readouterr()
+    assert "supervisor: restart" not in captured.out
+    assert captured.err.splitlines()[-1] == (
+        "error: supervisor: not restarting: a stop was requested (SIGTERM/SIGINT) while the restart was prepared; "
+        "the job's last error: rank 0 on n1 (10.0.0.1): attempt 0 lost a peer")
+    assert [(event["event"], event["exit_status"]) for event in events] == [("stop", 1)]
+
+
 def test_a_runner_that_does_not_exit_after_a_rank_failed_without_an_error_line_is_ended(tmp_path, monkeypatch,
                                                                                          capsys):
     """A rank aborted by NCCL's watchdog (SIGABRT) prints none of our error lines, and pdsh then waits for a

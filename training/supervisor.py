@@ -21,7 +21,8 @@ When an attempt exits non-zero (a rank died, a collective timed out, a host beca
   --max_restarts times in a row the same way (the same error line, from the same checkpoint).
 Each restart is one `supervisor:` line on stdout and a record (step "SUPERVISOR") in the dllogger stream.
 SIGTERM/SIGINT: the ranks on every host of the attempt are signalled (scripts/signal_ranks.sh over pdsh):
-they save a checkpoint and exit 0, and so does the supervisor; nothing is restarted.
+they save a checkpoint and exit 0, and so does the supervisor; nothing is restarted. Between two attempts
+(the last one failed) it starts none: one `error: supervisor:` line, and the failed attempt's status.
 """
 
 import argparse
@@ -249,12 +250,15 @@ class Supervisor:
                 passing = [host.name for host in self.job_hosts if not problems[host.name]]
                 chosen = usable_hosts(passing, self.settings.ngpu_per_node, self.settings.deepspeed_config,
                                       self.settings.min_hosts)
+                self.end_leftovers(chosen, hosts[0])
+                # Last look before the next attempt starts (a stop during it would reach a runner without ranks).
+                if self.stop_requests:
+                    raise SupervisorStop("a stop was requested (SIGTERM/SIGINT) while the restart was prepared")
             except SupervisorStop as stop:
                 if self.settings.max_restarts:
                     self.stop_line(stop, outcome)
-                return outcome.status
+                return outcome.status  # the failed attempt's: a stop between attempts saves nothing
             restarts += 1
-            self.end_leftovers(chosen, hosts[0])
             self.restart_line(restarts, outcome, hosts, chosen, problems)
             hosts = chosen
 
