@@ -2,7 +2,9 @@
 """Fine-tune and evaluate BERT on a GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI).
 
 Flags follow NVIDIA's run_glue.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
-fine-tuning flags of finetune/finetuning.py). One process per device, or one process:
+fine-tuning flags of finetune/finetuning.py); its flags that mean nothing here (--bert_model, --loss_scale,
+--server_ip, --server_port) are accepted and do nothing, and --fp16/--amp are refused (bf16 is the DeepSpeed
+JSON's). One process per device, or one process:
 
     python run_glue.py --task_name sst-2 --data_dir glue/SST-2 --init_checkpoint results/bert_tiny/checkpoints \\
         --vocab_file data/vocab.txt --do_lower_case --output_dir results/glue_sst2 --do_train --do_eval
@@ -39,6 +41,8 @@ def build_parser():
         "cut, shorter ones padded).")
     groups["prediction"].add_argument("--eval_batch_size", type=int, default=8, help="Batch per device for "
                                       "evaluation and prediction.")
+    for flag in ("--server_ip", "--server_port"):
+        groups["ignored"].add_argument(flag, default="", help="Ignored: NVIDIA's remote debugger (default: empty).")
     return parser
 
 

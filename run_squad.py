@@ -2,7 +2,9 @@
 """Fine-tune and evaluate BERT on SQuAD v1.1 / v2.0.
 
 Flags follow NVIDIA's run_squad.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
-fine-tuning flags of finetune/finetuning.py). One process per device, or one process:
+fine-tuning flags of finetune/finetuning.py); its flags that mean nothing here (--bert_model, --eval_script,
+--loss_scale, ...) are accepted and do nothing, and --fp16/--amp are refused (bf16 is the DeepSpeed JSON's).
+One process per device, or one process:
 
     python run_squad.py --init_checkpoint results/bert_tiny/checkpoints --vocab_file data/vocab.txt \\
         --do_lower_case --train_file train-v1.1.json --predict_file dev-v1.1.json --do_train --do_predict \\
@@ -48,6 +50,13 @@ def build_parser():
     add("--max_answer_length", type=int, default=30, help="Longest answer, in tokens.")
     add("--null_score_diff_threshold", type=float, default=0.0, help="v2.0: answer '' when the null score "
         "minus the best answer's score exceeds this.")
+    add = groups["ignored"].add_argument
+    add("--eval_script", default=None, help="Ignored: --do_eval scores with finetune/squad_metrics.py, the "
+        "official rules (default: none).")
+    add("--verbose_logging", action="store_true", help="Ignored.")
+    add("--use_env", action="store_true", help="Ignored: LOCAL_RANK is read from the environment anyway.")
+    add("--skip_cache", action="store_true", help="Ignored: training features are not cached.")
+    add("--cache_dir", default=None, help="Ignored: training features are not cached (default: none).")
     return parser
 
 

@@ -56,6 +56,8 @@ from training import checkpointing, runtime
 
 CHECKPOINT_SUBDIR = "checkpoints"
 POOLER_PREFIX = "bert.pooler."
+# NVIDIA's mixed-precision switches: accepting them would train in fp32 while the command line says fp16.
+FP16_FLAGS = ("--fp16", "--amp")
 # Heads that never read the pooler's output: a checkpoint without a pooler (transformers' QA and MLM saves)
 # evaluates them as it is.
 POOLER_UNUSED = (BertForQuestionAnswering, BertForTokenClassification)
@@ -117,6 +119,18 @@ def build_parser(description: str, usage: str) -> tuple:
         "<output_dir>/dllogger.json).")
     add("--log_freq", type=int, default=10, help="Log the loss every this many optimizer steps.")
     add("--disable-progress-bar", dest="disable_progress_bar", action="store_true", help="No tqdm bar.")
+    groups["ignored"] = parser.add_argument_group("ignored", "Accepted for compatibility with NVIDIA's command "
+                                                  "lines; these do nothing.")
+    add = groups["ignored"].add_argument
+    add("--bert_model", default=None, help="Ignored: the model is --init_checkpoint's (or --config_file's); "
+        "NVIDIA's scripts use the name only for their feature cache (default: none).")
+    add("--loss_scale", type=float, default=0.0, help="Ignored: NVIDIA's fp16 loss scale (--fp16 is refused).")
+    groups["refused"] = parser.add_argument_group("refused", "NVIDIA's flags for a setting this training does "
+                                                  "not have: one error line.")
+    for flag in FP16_FLAGS:
+        groups["refused"].add_argument(flag, action="store_true", help="Refused: apex fp16 mixed precision; for "
+                                       "mixed precision set \"bf16\": {\"enabled\": true} in the --deepspeed_config "
+                                       "JSON.")
     return parser, groups
 
 
@@ -135,6 +149,10 @@ def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Name
 
 def validate(args) -> dict:
     """The common checks, before any work; returns the DeepSpeed settings (training) or None."""
+    for flag in FP16_FLAGS:
+        if getattr(args, flag[2:]):
+            raise InputError(f"{flag} (NVIDIA's apex fp16) is not supported: for mixed precision set "
+                             f"\"bf16\": {{\"enabled\": true}} in the --deepspeed_config JSON")
     if not (args.do_train or args.do_eval or args.do_predict):
         raise InputError("nothing to do: pass --do_train, --do_eval and/or --do_predict")
     runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,

@@ -102,7 +102,7 @@ GROUPS = {
     "run_pretraining": ["data", "model", "schedule and optimizer", "checkpoints", "devices and distribution", "S3",
                         "logging", "ignored", "DeepSpeed"],
     "run_squad": ["what to run", "data", "model", "schedule and optimizer", "prediction", "checkpoints",
-                  "devices and distribution", "logging", "DeepSpeed"],
+                  "devices and distribution", "logging", "ignored", "refused", "DeepSpeed"],
 }
 GROUPS["run_glue"] = GROUPS["run_squad"]
 

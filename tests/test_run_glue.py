@@ -325,3 +325,19 @@ def test_a_fine_tuned_checkpoint_evaluates_and_predicts_later(tmp_path):
     rows = (tmp_path / "later" / "test_results_sst-2.tsv").read_text().splitlines()
     assert rows[0] == "index\tprediction" and len(rows) == 17
     assert [row.split("\t")[1] for row in rows[1:]] == list(at_training.values())
+
+
+# ============================================================================ NVIDIA's flags
+
+def test_nvidias_glue_flags_that_mean_nothing_here_are_accepted_and_fp16_is_refused(tmp_path, capsys):
+    from finetune import finetuning
+    ours = ["--task_name", "mrpc", "--data_dir", "D", "--vocab_file", "V", "--output_dir", "O", "--do_train"]
+    nvidia = ["--bert_model", "bert-large-uncased", "--server_ip", "", "--server_port", "", "--loss_scale", "0"]
+    with_nvidia = vars(finetuning.parse_arguments(run_glue.build_parser(), ours + nvidia))
+    without = vars(finetuning.parse_arguments(run_glue.build_parser(), ours))
+    ignored = {"bert_model", "server_ip", "server_port", "loss_scale"}
+    assert {k: v for k, v in with_nvidia.items() if k not in ignored} == \
+        {k: v for k, v in without.items() if k not in ignored}
+    assert run_glue.cli(ours[:-3] + ["--output_dir", str(tmp_path / "out"), "--do_train", "--fp16"] + nvidia) == 1
+    assert one_error_line(capsys) == ("error: --fp16 (NVIDIA's apex fp16) is not supported: for mixed precision set "
+                                      "\"bf16\": {\"enabled\": true} in the --deepspeed_config JSON")

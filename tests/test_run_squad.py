@@ -293,3 +293,38 @@ def test_a_fresh_head_is_built_under_the_seed_on_every_rank_then_seed_plus_rank(
     torch.testing.assert_close(model.qa_outputs.weight, expected.weight, rtol=0, atol=0)
     torch.testing.assert_close(model.qa_outputs.bias, expected.bias, rtol=0, atol=0)
     torch.testing.assert_close(after, torch.rand(4, generator=torch.Generator().manual_seed(7 + rank)))
+
+
+# ============================================================================ NVIDIA's flags
+
+NVIDIA_SQUAD_ONLY = ["--bert_model", "bert-large-uncased", "--eval_script", "evaluate.py", "--verbose_logging",
+                     "--use_env", "--skip_cache", "--cache_dir", "cache", "--loss_scale", "0"]
+
+
+def test_nvidias_flags_that_mean_nothing_here_are_accepted_and_change_nothing(tmp_path):
+    """NVIDIA's run_squad.sh command line (its --bert_model, --eval_script, ...) parses, and every flag of ours
+    has the value it has without them."""
+    from finetune import finetuning
+    ours = ["--init_checkpoint", "I", "--do_train", "--train_file", "T", "--train_batch_size", "32", "--do_predict",
+            "--predict_file", "P", "--predict_batch_size", "8", "--do_eval", "--do_lower_case", "--seed", "1",
+            "--learning_rate", "3e-5", "--num_train_epochs", "2", "--max_seq_length", "384", "--doc_stride", "128",
+            "--output_dir", "O", "--vocab_file", "V", "--config_file", "C", "--max_steps", "-1",
+            "--json-summary", "J"]
+    with_nvidia = vars(finetuning.parse_arguments(run_squad.build_parser(), ours + NVIDIA_SQUAD_ONLY))
+    without = vars(finetuning.parse_arguments(run_squad.build_parser(), ours))
+    ignored = {"bert_model", "eval_script", "verbose_logging", "use_env", "skip_cache", "cache_dir", "loss_scale"}
+    assert {key: value for key, value in with_nvidia.items() if key not in ignored} == \
+        {key: value for key, value in without.items() if key not in ignored}
+    assert with_nvidia["bert_model"] == "bert-large-uncased"
+    helps = {action.option_strings[0]: action.help for action in run_squad.build_parser()._actions
+             if action.option_strings}
+    assert all(helps[flag].startswith("Ignored") for flag in NVIDIA_SQUAD_ONLY if flag.startswith("--"))
+
+
+@pytest.mark.parametrize("flag", ["--fp16", "--amp"])
+def test_nvidias_fp16_is_refused_with_one_line(tmp_path, capfd, flag):
+    status = run_squad.cli(["--vocab_file", str(VOCAB), "--output_dir", str(tmp_path / "out"), "--do_train",
+                            "--bert_model", "bert-large-uncased", flag])
+    assert one_error_line(capfd, status) == (f"error: {flag} (NVIDIA's apex fp16) is not supported: for mixed "
+                                             f"precision set \"bf16\": {{\"enabled\": true}} in the "
+                                             f"--deepspeed_config JSON")
