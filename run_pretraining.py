@@ -40,7 +40,7 @@ from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from schedulers import PolyWarmUpScheduler
 from training import checkpointing, gaudi, hardware, runtime, sizing, zero_partitions
-from training.runtime import InputError, InputErrorOnEveryRank, optimizer_step_suppressed
+from training.runtime import HostInputError, InputError, InputErrorOnEveryRank, optimizer_step_suppressed
 
 if TYPE_CHECKING:  # deepspeed is imported only after runtime.choose_accelerator has picked the device
     import dllogger
@@ -227,11 +227,11 @@ def validate_args(args, world_size: int) -> tuple:
                                  args.keep_last_n_checkpoints, resuming=args.resume_from_checkpoint)
                   if storage.is_s3_url(args.output_dir) else None)
     except storage.StorageError as err:
-        raise InputError(str(err)) from err
+        raise HostInputError(str(err)) from err
     output_dir = Path(args.output_dir)
     # Another rank's write probe (below) may be there for a moment: it does not count.
     if (copies is None and output_dir.is_dir() and not args.resume_from_checkpoint
-            and any(not p.name.startswith(runtime.WRITE_PROBE_PREFIX) for p in output_dir.iterdir())):
+            and any(not p.name.startswith(storage.WRITE_PROBE_PREFIX) for p in output_dir.iterdir())):
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint "
                          "or use an empty directory")
     if copies is None:
@@ -240,7 +240,7 @@ def validate_args(args, world_size: int) -> tuple:
         runtime.check_writable_directory(copies.local_dir, "--s3_cache_dir")
     runtime.check_writable_file(args.json_summary, "--json-summary")
     if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
-        raise InputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
+        raise HostInputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
     ds_config = deepspeed_config_with_optimizer(args.deepspeed_config, world_size, args.optimizer)
     try:
         model_config = BertConfig.from_json_file(args.config_file)
@@ -249,7 +249,7 @@ def validate_args(args, world_size: int) -> tuple:
     try:
         shard_files = open_shard_files(args.input_dir, args.s3_endpoint_url, args.s3_cache_dir, args.s3_cache_gb)
     except storage.StorageError as err:
-        raise InputError(str(err)) from err
+        raise HostInputError(str(err)) from err
     data = inspect_data(args.input_dir, shard_files, args.max_predictions_per_seq,
                         ds_config["train_micro_batch_size_per_gpu"] * world_size)
     if data.seq_len > model_config.max_position_embeddings:
@@ -277,7 +277,7 @@ def open_shard_files(input_dir: str, endpoint_url: str | None, cache_dir: str,
     cache in cache_dir (--s3_cache_dir), bounded by cache_gb (--s3_cache_gb)."""
     if not storage.is_s3_url(input_dir):
         if not Path(input_dir).is_dir():
-            raise InputError(f"--input_dir {input_dir} does not exist or is not a directory")
+            raise HostInputError(f"--input_dir {input_dir} does not exist or is not a directory")
         return LocalShardFiles(input_dir)
     if not cache_gb > 0:
         raise InputError(f"--s3_cache_gb must be positive, got {cache_gb}")
@@ -302,8 +302,8 @@ def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCac
         shards, seq_len, max_pred = scan_shards(input_dir, shard_files)
         if isinstance(shard_files, storage.ShardCache):
             shard_files.check_capacity([shard.path for shard in shards])
-    except (ShardError, storage.StorageError) as err:
-        raise InputError(str(err)) from err
+    except (ShardError, storage.StorageError) as err:  # this server's copy, or its way to the storage
+        raise HostInputError(str(err)) from err
     if max_pred > max_predictions_per_seq:
         raise InputError(f"the shards hold {max_pred} masked positions per sequence, more than "
                          f"--max_predictions_per_seq {max_predictions_per_seq}")
@@ -318,8 +318,7 @@ def check_same_shards_on_every_rank(data: DataInfo, input_dir: str) -> None:
     """Each rank lists --input_dir itself, and the ranks cut one stream from their listings: a server whose
     copy lacks a shard (an unfinished copy) or holds another version of one would make the ranks train other
     samples than planned, silently. One all-gather of a digest; the listings themselves only when they differ."""
-    listing = {"shards": sorted([shard.name, shard.num_samples] for shard in data.shards),
-               "seq_len": data.seq_len, "max_pred": data.max_pred}
+    listing = {"shards": shard_listing(data.shards), "seq_len": data.seq_len, "max_pred": data.max_pred}
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(json.dumps(listing).encode()).hexdigest())
     if len(set(digests)) == 1:
@@ -401,8 +400,12 @@ def checkpoint_tag(state: TrainState, phase1_end_step: int) -> str:
 def describe_data_layout(shards: list, window_size: int, seed: int, shuffle: bool) -> dict:
     """What the stream position indexes into (data/dataset.py): a resume must see the same layout, or the
     saved position would point at other samples (repeats and gaps in the epoch)."""
-    return {"seed": seed, "window_size": window_size, "shuffle": shuffle,
-            "shards": sorted([shard.name, shard.num_samples] for shard in shards)}
+    return {"seed": seed, "window_size": window_size, "shuffle": shuffle, "shards": shard_listing(shards)}
+
+
+def shard_listing(shards: list) -> list:
+    """What identifies the training shards, wherever they live: sorted [name, samples] pairs."""
+    return sorted([shard.name, shard.num_samples] for shard in shards)
 
 
 LAYOUT_FLAGS = {"seed": "--seed", "window_size": "--data_memory_budget_mb", "shuffle": "--disable_random_sampler",

@@ -5,6 +5,12 @@ class InputError(ValueError):
     """Bad command line, configuration or data, found before the work that it would spoil starts."""
 
 
+class HostInputError(InputError):
+    """Bad input that may be one server's alone: a directory or file missing there, storage it cannot reach,
+    its copy of a shard. Its line is not marked NO_RESTART_MARK: the supervisor's host check decides whether
+    the job goes on without that server."""
+
+
 class InputErrorOnEveryRank(InputError):
     """Bad input that every rank finds at the same point, from a collective's result: the ranks can leave
     together, through a barrier (see training/runtime.run_cli)."""

@@ -527,12 +527,14 @@ def test_bad_input_is_printed_once_per_host_naming_a_host_other_than_rank_0s(tmp
 
 @pytest.mark.parametrize("raised, marked", [
     (rp.TrainingStopped("3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step 4"), True),
-    (rp.InputError("--input_dir /data does not exist or is not a directory"), True),
+    (rp.InputError("--steps_this_run must be -1 (no limit) or at least 1, got 0"), True),
+    (rp.HostInputError("--input_dir /data does not exist or is not a directory"), False),  # maybe one server's
     (rp.ShardError("shard_1.hdf5: cannot read samples 0..15"), False),       # a copy may be good on a restart
     (checkpointing.CheckpointError("cannot write checkpoint 8 on rank 1"), False)])
 def test_bad_input_and_a_deliberate_stop_say_no_restart(monkeypatch, capsys, raised, marked):
     """training/supervisor.py restarts a failed job, but a restart would meet bad input or a --max_bad_steps stop
-    again: their line ends with [no restart], which the supervisor does not restart."""
+    again: their line ends with [no restart], which the supervisor does not restart. Input that may be one
+    server's alone (a HostInputError) is left to the supervisor's host check."""
     monkeypatch.delenv("RANK", raising=False)
 
     def main(argv):
@@ -541,6 +543,19 @@ def test_bad_input_and_a_deliberate_stop_say_no_restart(monkeypatch, capsys, rai
     monkeypatch.setattr(rp, "main", main)
     assert rp.cli([]) == 1
     assert capsys.readouterr().err == f"error: {raised}{' [no restart]' if marked else ''}\n"
+
+
+@pytest.mark.parametrize("input_dir, ds_micro, marked", [
+    ("/nonexistent/shards", 4, False),       # maybe missing on this server only: the supervisor's host check decides
+    (None, 1000, True)])                     # fewer samples than one global micro-batch: the same on every server
+def test_which_start_up_errors_say_no_restart(tmp_path, tiny_shards, capsys, input_dir, ds_micro, marked):
+    """The driver's own classification, end to end: a directory (or S3 store, or shard copy) one server may lack is
+    not marked [no restart]; a setting that is wrong for every server is."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", micro=ds_micro)
+    argv = helpers.driver_argv(input_dir or tiny_shards, tmp_path / "out", ds_config)
+    assert rp.cli(argv) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --input_dir ") and line.endswith(" [no restart]") == marked, line
 
 
 def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):

@@ -74,8 +74,10 @@ def test_output_watcher_takes_the_first_error_and_the_last_checkpoint():
     assert watcher.reason == "rank 0 on n1 (10.0.0.1): the connection to rank 1 on n2 (10.0.0.2) broke"
     assert watcher.checkpoint == "6"
     assert supervisor.OutputWatcher().checkpoint is None
-    watcher.note("10.0.0.2: error: rank 1 on n2: --input_dir /data does not exist [no restart]")
-    assert watcher.final == watcher.reason == "rank 1 on n2: --input_dir /data does not exist"
+    watcher.note("10.0.0.2: error: rank 1 on n2: --steps_this_run must be -1 (no limit) or at least 1, got 0 "
+                 "[no restart]")
+    assert watcher.final == watcher.reason == ("rank 1 on n2: --steps_this_run must be -1 (no limit) or at least 1, "
+                                               "got 0")
 
 
 # DeepSpeed 0.19.8's per-node launcher (launch.py, sigkill_handler) and pdsh, as they print a rank's non-zero exit
@@ -113,8 +115,9 @@ def test_a_failed_rank_without_an_error_line_is_the_reason_and_an_error_line_win
 # line and exits 1), "crash" (the same error from the same checkpoint every time), "hang" (an error line,
 # then no exit), "abort" and "vanish" (no error line of ours: a rank's exit as DeepSpeed's launcher or
 # pdsh reports it, then no exit, pdsh waiting for a server that vanished), "stopped" (saves checkpoint 4k
-# and stops on purpose at step 4k, as run_pretraining's --max_bad_steps does) or "bad_input" (rank 0 loses
-# its peer, whose host lacks the data: an error marked [no restart], after the first error line).
+# and stops on purpose at step 4k, as run_pretraining's --max_bad_steps does), "bad_input" (rank 0 loses its
+# peer, which met a bad setting: an error marked [no restart], after the first error line) or "host_input"
+# (the same, but the peer's host lacks the data: not marked, the host check decides).
 STUB_RUNNER = textwrap.dedent("""\
     import json, sys, time
     from pathlib import Path
@@ -134,10 +137,11 @@ STUB_RUNNER = textwrap.dedent("""\
         print(f"10.0.0.1: error: 3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step "
               f"{4 * (attempt + 1)} [no restart]", file=sys.stderr, flush=True)
         sys.exit(1)
-    if step == "bad_input":
+    if step in ("bad_input", "host_input"):
         print("10.0.0.1: error: rank 0 on n1 (10.0.0.1): the connection to rank 1 on n2 (10.0.0.2) broke",
               file=sys.stderr, flush=True)
-        print("10.0.0.2: error: rank 1 on n2: --input_dir /data does not exist or is not a directory [no restart]",
+        print("10.0.0.2: error: rank 1 on n2: " + ("--steps_this_run must be -1 (no limit) or at least 1, got 0 "
+              "[no restart]" if step == "bad_input" else "--input_dir /data does not exist or is not a directory"),
               file=sys.stderr, flush=True)
         sys.exit(1)
     if step in ("abort", "vanish"):
@@ -251,7 +255,7 @@ def test_a_repeating_crash_stops_after_n_attempts_with_its_reason(tmp_path, caps
 
 @pytest.mark.parametrize("plan, last_error", [
     (["stopped", "ok"], "3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step 4"),
-    (["bad_input", "ok"], "rank 1 on n2: --input_dir /data does not exist or is not a directory")])
+    (["bad_input", "ok"], "rank 1 on n2: --steps_this_run must be -1 (no limit) or at least 1, got 0")])
 def test_a_deliberate_stop_or_bad_input_is_not_restarted(tmp_path, capsys, plan, last_error):
     """A run that stopped itself (--max_bad_steps) or met bad input would do so again: its error line ends
     with [no restart] (run_pretraining.py's cli). Before, the stop was restarted until the budget ran out: the
@@ -262,6 +266,17 @@ def test_a_deliberate_stop_or_bad_input_is_not_restarted(tmp_path, capsys, plan,
     assert err[-1] == ("error: supervisor: not restarting: the job's error is marked [no restart] (bad input, or a "
                        f"run that stopped itself): a restart would meet it again; the job's last error: {last_error}")
     assert [(event["event"], event["reason"]) for event in events] == [("stop", last_error)]
+
+
+def test_a_host_without_the_data_is_left_out_not_marked_final(tmp_path, capsys):
+    """A directory missing on one server is not marked [no restart] (run_pretraining's HostInputError): the
+    host check finds the server without its data and the job restarts on the others."""
+    status, attempts, events = run_supervisor(tmp_path, ["host_input", "ok"],
+                                              [{"10.0.0.2": ["data directory /data does not exist"]}])
+    assert status == 0 and len(attempts) == 2
+    assert [hosts for hosts, _ in attempts] == [["10.0.0.1 slots=1", "10.0.0.2 slots=1", "10.0.0.3 slots=1"],
+                                                ["10.0.0.1 slots=1", "10.0.0.3 slots=1"]]
+    assert [event["event"] for event in events] == ["restart"]
 
 
 def test_too_few_hosts_or_no_batch_split_stop_with_one_line(tmp_path, capsys):

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.errors import NO_RESTART_MARK, InputError, InputErrorOnEveryRank, one_line
+from common.errors import NO_RESTART_MARK, HostInputError, InputError, InputErrorOnEveryRank, one_line
+from common.storage import WRITE_PROBE_PREFIX
 from training import gaudi
 
 try:
@@ -42,7 +43,8 @@ try:
 except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
     from training import dllogger_fallback as dllogger
 
-__all__ = ["InputError", "InputErrorOnEveryRank", "one_line"]  # re-exported: entry points take the error type from here
+# re-exported: entry points take the error types from here
+__all__ = ["HostInputError", "InputError", "InputErrorOnEveryRank", "one_line"]
 
 PROFILERS = ("pt", "pt-full", "hltv")
 
@@ -365,9 +367,6 @@ def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
                          f"{one_line(err)}") from err
 
 
-WRITE_PROBE_PREFIX = ".write_probe."
-
-
 def check_writable_directory(path, flag: str) -> None:
     """Create `path` if needed and write a probe file in it, so that a read-only place or a file in the
     way is one error line before any work, not a failure at the first save hours later."""
@@ -469,7 +468,8 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     traceback. The ranks of one host meet the same bad input: its first local rank prints it, and on another
     host than rank 0's it names itself (a file missing on that host alone would otherwise fail silently there
     while rank 0 waits for it). The line of an error of a `final` type ends with NO_RESTART_MARK: a restart
-    would meet it again (training/supervisor.py)."""
+    would meet it again (training/supervisor.py); a HostInputError's never does (another set of servers may
+    not meet it)."""
     leave_together = False  # every rank ended the same way: they can meet at a barrier
     try:
         main(argv)
@@ -477,7 +477,7 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     except (InputError, *errors) as err:
         leave_together = isinstance(err, InputErrorOnEveryRank)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
-        mark = NO_RESTART_MARK if isinstance(err, final) else ""
+        mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
         if rank == "0" or not isinstance(err, InputError):
             print(f"error: {err}{mark}", file=sys.stderr, flush=True)
         elif local_rank == "0":
