@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.deepspeed_config import offload_sections
+from common.deepspeed_config import batch_arithmetic, offload_sections
 from modeling import BertConfig
 from training import sizing
 
@@ -19,6 +19,7 @@ PARTS = (("parameters", "model weights (bf16, or fp32 without bf16)"),
          ("optimizer_states", "optimizer moments, fp32 (split under ZeRO-1/2)"),
          ("buffers", "ZeRO-1/2 gradient-reduction bucket"),
          ("activations", "activations kept for backward (one micro-batch)"),
+         ("held_gradients", "gradients held between micro-batches (more than one per step)"),
          ("peak_transient", "peak on top of the above"))
 
 
@@ -48,6 +49,7 @@ def plan(args) -> tuple:
     for name in ("world_size", "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    batch_arithmetic(ds_config, args.world_size, args.deepspeed_config)  # the driver's check of the global batch
     run = sizing.Run.from_deepspeed_config(
         ds_config, args.world_size, args.max_seq_length, args.max_predictions_per_seq,
         args.checkpoint_activations_interval if args.checkpoint_activations else 0, args.optimizer)
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{args.config}: {sizing.parameter_count(config):,d} parameters; micro-batch {run.micro_batch} x "
-          f"{run.seq_len}, {run.max_pred} predictions; {'bf16' if run.bf16 else 'fp32'}, ZeRO-{run.zero_stage}, "
+          f"{run.seq_len}, {run.max_pred} predictions, {run.accumulation_steps} micro-batch(es) per step; "
+          f"{'bf16' if run.bf16 else 'fp32'}, ZeRO-{run.zero_stage}, "
           f"{run.world_size} ranks, activation checkpointing "
           f"{'every ' + str(run.checkpoint_interval) + ' layer(s)' if run.checkpoint_interval else 'off'}")
     for key, text in PARTS:

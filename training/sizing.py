@@ -94,6 +94,16 @@ class Run:
     contiguous_gradients: bool = True
     overlap_comm: bool = False
     on_cpu: bool = False
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+
+    @staticmethod
+    def accumulation_from_deepspeed_config(ds_config: dict, world_size: int) -> int:
+        """Micro-batches per step as pretraining reads the JSON (common/deepspeed_config.check): from the
+        global batch when it is set, else the JSON's gradient_accumulation_steps, else 1."""
+        micro, total = int(ds_config["train_micro_batch_size_per_gpu"]), ds_config.get("train_batch_size")
+        if total:
+            return max(1, int(total) // (micro * world_size))
+        return int(ds_config.get("gradient_accumulation_steps") or 1)
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: dict, world_size: int, seq_len: int, max_pred: int,
@@ -105,7 +115,8 @@ class Run:
                    checkpoint_interval=checkpoint_interval, optimizer=optimizer,
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)),
                    contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-                   overlap_comm=bool(zero.get("overlap_comm", False)), on_cpu=on_cpu)
+                   overlap_comm=bool(zero.get("overlap_comm", False)), on_cpu=on_cpu,
+                   accumulation_steps=cls.accumulation_from_deepspeed_config(ds_config, world_size))
 
 
 def device_memory(config: BertConfig, run: Run) -> dict:
@@ -116,7 +127,11 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     ZeRO-0 keeps them whole on every rank), and ZeRO-1/2's gradient-reduction bucket ("buffers").
     The peak is the larger of two moments of a step:
     - backward of the MLM head: the saved activations, the float32 logits' gradient and the (tied) word
-      embedding's gradient;
+      embedding's gradient; with more than one micro-batch per step also the model-dtype gradients held from
+      the earlier micro-batches ("held_gradients"): DeepSpeed 0.19.8 reduces ZeRO-0/1 gradients only at the
+      step's last micro-batch, so every rank keeps every parameter's gradient (ZeRO-0's bf16 wrapper, like
+      plain torch, accumulates in param.grad; ZeRO-1 in its own buffers), while ZeRO-2 reduces each
+      micro-batch and keeps this rank's partition;
     - the optimizer step: the model-dtype gradients (ZeRO-2: this rank's partition), DeepSpeed's fp32 copy
       of this rank's gradient partition, and the optimizer's temporaries (none of partition size for LANS on the CPU).
     """
@@ -137,9 +152,10 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     parts["activations"] = activation_bytes(config, run.micro_batch, run.seq_len, run.max_pred, element,
                                             run.checkpoint_interval)
     masked_rows = run.micro_batch * run.max_pred
-    head_backward = (parts["activations"] + (element + LOSS_BYTES_PER_LOGIT) * masked_rows * config.padded_vocab_size
-                     + element * config.padded_vocab_size * config.hidden_size)
     gradients = element * (partition if run.zero_stage == 2 else params)
+    parts["held_gradients"] = gradients if run.accumulation_steps > 1 else 0
+    head_backward = (parts["activations"] + (element + LOSS_BYTES_PER_LOGIT) * masked_rows * config.padded_vocab_size
+                     + element * config.padded_vocab_size * config.hidden_size + parts["held_gradients"])
     fp32_gradients = 4 * partition if (run.bf16 or run.zero_stage >= 1) else 0
     chunked = run.on_cpu and run.optimizer in CPU_CHUNKED_OPTIMIZERS
     optimizer_step = (gradients + fp32_gradients
