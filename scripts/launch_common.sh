@@ -24,6 +24,8 @@
 #   HL_MAX_RESTARTS HL_RESTART_WINDOW_S HL_MIN_HOSTS  several servers: training/supervisor.py restarts a failed job on
 #                        the servers that pass the checks, at most HL_MAX_RESTARTS (3; 0: never) times within
 #                        HL_RESTART_WINDOW_S seconds (21600), on at least HL_MIN_HOSTS (half the servers)
+# A relative HL_* path is taken from the directory the launcher is started in (run_glue.sh moves to the
+# repository's root first, as its header says), and made absolute before it is checked or used.
 # Extra arguments given to a launcher are appended to run_pretraining.py's arguments.
 # A launcher sets PHASE=2 for phase 2: seq 512 / 80 predictions, its own schedule and dllogger_phase2.json,
 # resuming phase 1's checkpoints directory (phase-2 tags continue after phase 1's last step).
@@ -131,23 +133,36 @@ pretraining_args() {
     )
 }
 
+# hl_path NAME DEFAULT: the path in the variable NAME, made absolute against the current directory (the
+# launchers check it here and use it after `cd "$REPO_ROOT"`), or DEFAULT when NAME is unset or empty.
+hl_path() {
+    local value="${!1:-}"
+    if [[ -z "$value" ]]; then
+        printf '%s\n' "$2"
+    elif [[ "$value" == /* ]]; then
+        printf '%s\n' "$value"
+    else
+        realpath -m -s -- "$value"
+    fi
+}
+
 # Every launcher's HL_* overrides against its DEFAULT_* values (DEFAULT_NUM_NODES: 1 when unset).
 common_settings() {
-    RESULTS_DIR="${HL_RESULTS_DIR:-$DEFAULT_RESULTS_DIR}"
-    DS_CONFIG="${HL_DS_CONFIG:-$DEFAULT_DS_CONFIG}"
+    RESULTS_DIR="$(hl_path HL_RESULTS_DIR "$DEFAULT_RESULTS_DIR")"
+    DS_CONFIG="$(hl_path HL_DS_CONFIG "$DEFAULT_DS_CONFIG")"
     NUM_NODES="${HL_NUM_NODES:-${DEFAULT_NUM_NODES:-1}}"
     NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
-    HOSTSFILE="${HL_HOSTSFILE:-$REPO_ROOT/scripts/hostsfile}"
+    HOSTSFILE="$(hl_path HL_HOSTSFILE "$REPO_ROOT/scripts/hostsfile")"
 }
 
 # Resolve the HL_* overrides against the launcher's defaults (set before calling this).
 resolve_settings() {
     local dataset="$PHASE1_DATASET"
     [[ "$PHASE" == 2 ]] && dataset="$PHASE2_DATASET"
-    DATA_DIR="${HL_DATA_DIR:-${HL_DATA_DIR_ROOT:-/data/pytorch/bert/pretraining}/$dataset}"
-    MODEL_CONFIG="${HL_MODEL_CONFIG:-$DEFAULT_MODEL_CONFIG}"
+    DATA_DIR="$(hl_path HL_DATA_DIR "$(hl_path HL_DATA_DIR_ROOT /data/pytorch/bert/pretraining)/$dataset")"
+    MODEL_CONFIG="$(hl_path HL_MODEL_CONFIG "$DEFAULT_MODEL_CONFIG")"
     common_settings
-    CHECKPOINTS_DIR="${HL_CHECKPOINTS_DIR:-$RESULTS_DIR/checkpoints}"
+    CHECKPOINTS_DIR="$(hl_path HL_CHECKPOINTS_DIR "$RESULTS_DIR/checkpoints")"
     MAX_STEPS="${HL_MAX_STEPS:-$DEFAULT_MAX_STEPS}"
     RUN_STEPS="${HL_RUN_STEPS:--1}"
     NUM_STEPS_PER_CP="${HL_NUM_STEPS_PER_CP:-$DEFAULT_NUM_STEPS_PER_CP}"

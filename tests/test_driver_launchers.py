@@ -206,6 +206,25 @@ def test_hl_overrides_reach_the_command(stub_launcher):
     assert "--use_hpu" not in args
 
 
+def test_relative_hl_paths_are_taken_from_the_callers_directory(stub_launcher):
+    """The launcher checks the paths where it is started and the ranks run in the repository's root: a
+    relative HL_* path reaches the command line made absolute against the caller's directory."""
+    env, tmp_path = stub_launcher
+    caller = tmp_path / "caller"
+    (caller / "shards").mkdir(parents=True)
+    (caller / "model.json").write_text((SCRIPTS / "bert_1.5b_config.json").read_text())
+    (caller / "ds.json").write_text((SCRIPTS / "deepspeed_config_bert_1.5b.json").read_text())
+    env.update(HL_DATA_DIR="shards", HL_MODEL_CONFIG="./model.json", HL_DS_CONFIG="ds.json", HL_RESULTS_DIR="res")
+    result = subprocess.run(["bash", str(SCRIPTS / "run_bert_1.5b_8x.sh")], env=env, cwd=caller, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    for expected in (f"--input_dir={caller / 'shards'}", f"--config_file={caller / 'model.json'}",
+                     f"--deepspeed_config={caller / 'ds.json'}", f"--output_dir={caller / 'res' / 'checkpoints'}",
+                     f"--json-summary={caller / 'res' / 'dllogger.json'}"):
+        assert expected in args, expected
+
+
 def test_missing_data_dir_fails_early_with_a_clear_message(stub_launcher):
     env, tmp_path = stub_launcher
     env["HL_DATA_DIR"] = str(tmp_path / "nowhere")
