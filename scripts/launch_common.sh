@@ -151,6 +151,7 @@ common_settings() {
     RESULTS_DIR="$(hl_path HL_RESULTS_DIR "$DEFAULT_RESULTS_DIR")"
     DS_CONFIG="$(hl_path HL_DS_CONFIG "$DEFAULT_DS_CONFIG")"
     NUM_NODES="${HL_NUM_NODES:-${DEFAULT_NUM_NODES:-1}}"
+    [[ "$NUM_NODES" =~ ^[1-9][0-9]*$ ]] || die "HL_NUM_NODES must be a number of servers (1 or more), not '$NUM_NODES'"
     NGPU_PER_NODE="${HL_NGPU_PER_NODE:-8}"
     HOSTSFILE="$(hl_path HL_HOSTSFILE "$REPO_ROOT/scripts/hostsfile")"
 }
@@ -191,7 +192,7 @@ rendezvous_args() {
     JOB_HOSTS=""
     MASTER_PORT="${HL_MASTER_PORT:-29500}"
     RENDEZVOUS_ARGS=(--master_port "$MASTER_PORT")
-    if [[ "$NUM_NODES" != 1 ]]; then
+    if (( NUM_NODES > 1 )); then
         [[ -f "$HOSTSFILE" ]] || die "$NUM_NODES nodes need a hostfile; $HOSTSFILE does not exist (set HL_HOSTSFILE)"
         JOB_HOSTS="$(grep -v '^[[:space:]]*\(#\|$\)' "$HOSTSFILE" | head -n "$NUM_NODES" | awk '{print $1}' | paste -sd, -)"
         [[ -n "$JOB_HOSTS" ]] || die "$HOSTSFILE names no host"
@@ -215,7 +216,7 @@ launch_pretraining() {
     pretraining_args
     rendezvous_args
     run_preflight
-    if [[ "$NUM_NODES" != 1 ]]; then
+    if (( NUM_NODES > 1 )); then
         mkdir -p "$RESULTS_DIR"
         cd "$REPO_ROOT" || exit 1
         exec "$PYTHON" -m training.supervisor --hostfile "$HOSTSFILE" --num_nodes "$NUM_NODES" \
@@ -306,7 +307,7 @@ forward_stop_request() {
     # No `return` in here: in a trap handler it returns the interrupted `wait`'s status, and set -e exits.
     local runner="${RUNNER_PID:-$!}" launch_pid ranks=()
     [[ -n "$runner" ]] || die "stopped by a signal before the launch"
-    if [[ "$NUM_NODES" != 1 ]]; then
+    if (( NUM_NODES > 1 )); then
         if (( $(signal_ranks_on_every_host) == 0 )); then
             kill -TERM "$runner" 2> /dev/null || true
         fi

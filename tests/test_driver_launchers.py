@@ -236,6 +236,19 @@ def test_missing_data_dir_fails_early_with_a_clear_message(stub_launcher):
     assert not (tmp_path / "args").exists()
 
 
+@pytest.mark.parametrize("nodes", ["0", "abc", "01", "-2", ""])
+def test_a_number_of_servers_that_is_not_a_positive_number_is_one_clear_error(stub_launcher, nodes):
+    env, tmp_path = stub_launcher
+    (tmp_path / "hostfile").write_text("10.0.0.1 slots=8\n10.0.0.2 slots=8\n")
+    result = launch("run_bert_1.5b_8x.sh", dict(env, HL_NUM_NODES=nodes, HL_HOSTSFILE=str(tmp_path / "hostfile")))
+    if nodes == "":  # unset: the launcher's own count
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode == 1
+    assert result.stderr == f"error: HL_NUM_NODES must be a number of servers (1 or more), not '{nodes}'\n"
+    assert not (tmp_path / "args").exists()
+
+
 def test_several_nodes_without_hostfile_fail_early(stub_launcher):
     env, tmp_path = stub_launcher
     env["HL_HOSTSFILE"] = str(tmp_path / "no_hostsfile")
