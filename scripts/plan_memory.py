@@ -14,13 +14,15 @@ from common.deepspeed_config import batch_arithmetic, offload_sections
 from modeling import BertConfig
 from training import sizing
 
-PARTS = (("parameters", "model weights (bf16, or fp32 without bf16)"),
-         ("master_weights", "fp32 master weights (bf16 only; split under ZeRO-1/2)"),
-         ("optimizer_states", "optimizer moments, fp32 (split under ZeRO-1/2)"),
-         ("buffers", "ZeRO-1/2 gradient-reduction bucket"),
-         ("activations", "activations kept for backward (one micro-batch)"),
-         ("held_gradients", "gradients held between micro-batches (more than one per step)"),
-         ("peak_transient", "peak on top of the above"))
+# Held for the whole run; the transient peak comes on top of them, and the lines printed add up to the total.
+HELD_PARTS = (("parameters", "model weights (bf16, or fp32 without bf16)"),
+              ("master_weights", "fp32 master weights (bf16 only; split under ZeRO-1/2)"),
+              ("optimizer_states", "optimizer moments, fp32 (split under ZeRO-1/2)"),
+              ("buffers", "ZeRO-1/2 gradient-reduction bucket"))
+# Parts of the MLM head's backward moment, printed apart: the peak transient already holds them when that
+# moment is the peak.
+BACKWARD_PARTS = (("activations", "activations kept for backward (one micro-batch)"),
+                  ("held_gradients", "gradients held between micro-batches (more than one per step)"))
 
 
 def parse_arguments(argv=None):
@@ -68,9 +70,14 @@ def main(argv=None) -> int:
           f"{'bf16' if run.bf16 else 'fp32'}, ZeRO-{run.zero_stage}, "
           f"{run.world_size} ranks, activation checkpointing "
           f"{'every ' + str(run.checkpoint_interval) + ' layer(s)' if run.checkpoint_interval else 'off'}")
-    for key, text in PARTS:
+    for key, text in HELD_PARTS:
         print(f"  {parts[key] / 2**30:>9.2f} GiB  {text}")
-    print(f"  {parts['total'] / 2**30:>9.2f} GiB  per device at the peak ({parts['peak_moment']})")
+    print(f"  {parts['peak_transient'] / 2**30:>9.2f} GiB  transient, at the peak moment ({parts['peak_moment']})")
+    print(f"  {parts['total'] / 2**30:>9.2f} GiB  per device at the peak (the five lines above added up)")
+    print("  of the MLM head's backward moment" + (" (in the transient above):" if parts["peak_moment"].startswith(
+        "backward") else " (not the peak):"))
+    for key, text in BACKWARD_PARTS:
+        print(f"  {parts[key] / 2**30:>9.2f} GiB  {text}")
     for device, gib in sizing.DEVICE_MEMORY_GIB.items():
         verdict = "fits" if sizing.fits(parts["total"], gib) else "does NOT fit"
         print(f"  {device:<15} {verdict} (at most {sizing.USABLE_FRACTION:.0%} of {gib} GiB planned)")

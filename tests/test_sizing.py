@@ -180,6 +180,20 @@ def test_plan_memory_cli_says_what_fits(capsys):
     assert f"{total / 2**30:.2f} GiB  per device" in without
 
 
+def test_plan_memory_cli_lines_add_up_to_the_total(capsys):
+    """The GiB lines printed above the total add up to it (to their rounding), whichever moment is the peak."""
+    common = ["--config", SCRIPTS / "bert_1.5b_config.json", "--deepspeed_config",
+              SCRIPTS / "deepspeed_config_bert_1.5b.json", "--world_size", 8]
+    for extra, moment in (([], "backward"), (["--checkpoint_activations"], "optimizer step")):
+        code, out, _ = plan_memory(capsys, *common, *extra)
+        lines = out.splitlines()
+        at_total = next(i for i, line in enumerate(lines) if "GiB  per device at the peak" in line)
+        above = [float(line.split()[0]) for line in lines[1:at_total]]
+        assert code == 0
+        assert sum(above) == pytest.approx(float(lines[at_total].split()[0]), abs=0.005 * len(above))
+        assert moment in lines[at_total - 1]
+
+
 def test_plan_memory_cli_bad_input_is_one_line(tmp_path, capsys):
     code, _, error = plan_memory(capsys, "--config", tmp_path / "none.json", "--deepspeed_config",
                           SCRIPTS / "deepspeed_config_bert_5b.json", "--world_size", 8)
