@@ -2,7 +2,9 @@
 
 One file, torch and the standard library only. Module and parameter names follow Hugging Face's
 `modeling_bert.py`, so `BertForPreTraining.state_dict()` has the keys of `transformers.BertForPreTraining`
-(state_dict keys are a public interface: checkpoints and the HF cross-check rely on them).
+but one: transformers also lists `cls.predictions.decoder.bias`, the same tensor as `cls.predictions.bias`,
+which ours lists once (finetune/hf_interop.py adds or drops the alias; tests/test_modeling.py checks the
+keys). State_dict keys are a public interface: checkpoints and the HF cross-check rely on them.
 
 Two layer wirings, chosen by `BertConfig.layer_norm_large_model`:
 - False: classic post-LN BERT, `x = LN(x + sublayer(x))`.
