@@ -133,7 +133,7 @@ pretraining_args() {
     )
 }
 
-# hl_path NAME DEFAULT: the path in the variable NAME, made absolute against the current directory (the
+# hl_path NAME DEFAULT: the path in the variable NAME (an HL_* one, or a fine-tuning launcher's), made absolute against the current directory (the
 # launchers check it here and use it after `cd "$REPO_ROOT"`), or DEFAULT when NAME is unset or empty.
 hl_path() {
     local value="${!1:-}"
@@ -233,6 +233,7 @@ launch_pretraining() {
 # entry point's own DeepSpeed settings) and their checks of INIT_CHECKPOINT and the DeepSpeed JSON.
 finetuning_settings() {
     common_settings
+    INIT_CHECKPOINT="$(hl_path INIT_CHECKPOINT "")"
     [[ -n "${INIT_CHECKPOINT:-}" ]] || die "set INIT_CHECKPOINT to the pretrained weights (a run_pretraining.py output directory, an export file or a Hugging Face directory)"
     [[ -e "$INIT_CHECKPOINT" ]] || die "INIT_CHECKPOINT $INIT_CHECKPOINT does not exist"
     [[ -z "$DS_CONFIG" || -f "$DS_CONFIG" ]] || die "DeepSpeed config $DS_CONFIG does not exist"

@@ -16,14 +16,16 @@
 # file or a Hugging Face BERT directory), SQUAD_VERSION (v1.1 | v2.0), SQUAD_DIR (data/squad/$SQUAD_VERSION),
 # VOCAB_FILE (data/vocab.txt), TRAIN_BATCH_SIZE (32), LEARNING_RATE (4.6e-5), EPOCHS (2), and as for the
 # pretraining launchers HL_RESULTS_DIR (results/squad_$SQUAD_VERSION), HL_DS_CONFIG, HL_NUM_NODES (1),
-# HL_NGPU_PER_NODE (8), HL_HOSTSFILE, HL_MASTER_PORT (29500) and HL_DEVICE (hpu | cuda | cpu). SIGTERM/Ctrl-C:
+# HL_NGPU_PER_NODE (8), HL_HOSTSFILE, HL_MASTER_PORT (29500) and HL_DEVICE (hpu | cuda | cpu); relative paths
+# are taken from the directory it is started in. SIGTERM/Ctrl-C:
 # the ranks save a checkpoint in $HL_RESULTS_DIR/checkpoints; the same command continues from it.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
 SQUAD_VERSION="${SQUAD_VERSION:-v1.1}"
-SQUAD_DIR="${SQUAD_DIR:-$REPO_ROOT/data/squad/$SQUAD_VERSION}"
-VOCAB_FILE="${VOCAB_FILE:-$REPO_ROOT/data/vocab.txt}"
+# relative paths are taken from the caller's directory (the ranks run in the repository's root)
+SQUAD_DIR="$(hl_path SQUAD_DIR "$REPO_ROOT/data/squad/$SQUAD_VERSION")"
+VOCAB_FILE="$(hl_path VOCAB_FILE "$REPO_ROOT/data/vocab.txt")"
 DEFAULT_RESULTS_DIR="$REPO_ROOT/results/squad_$SQUAD_VERSION"
 DEFAULT_DS_CONFIG="$REPO_ROOT/scripts/deepspeed_config_squad.json"
 

@@ -225,6 +225,25 @@ def test_relative_hl_paths_are_taken_from_the_callers_directory(stub_launcher):
         assert expected in args, expected
 
 
+def test_squad_launcher_takes_relative_paths_from_the_callers_directory(stub_launcher):
+    env, tmp_path = stub_launcher
+    caller = tmp_path / "caller"
+    (caller / "squad").mkdir(parents=True)
+    for split in ("train", "dev"):
+        (caller / "squad" / f"{split}-v1.1.json").write_text('{"version": "1.1", "data": []}')
+    (caller / "weights").mkdir()
+    (caller / "vocab.txt").write_text("[PAD]\n")
+    env.update(HL_DEVICE="cpu", INIT_CHECKPOINT="weights", SQUAD_DIR="squad", VOCAB_FILE="vocab.txt",
+               HL_RESULTS_DIR="res")
+    result = subprocess.run(["bash", str(SCRIPTS / "run_squad.sh")], env=env, cwd=caller, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    for flag, value in (("--init_checkpoint", caller / "weights"), ("--vocab_file", caller / "vocab.txt"),
+                        ("--train_file", caller / "squad" / "train-v1.1.json"), ("--output_dir", caller / "res")):
+        assert args[args.index(flag) + 1] == str(value), flag
+
+
 def test_missing_data_dir_fails_early_with_a_clear_message(stub_launcher):
     env, tmp_path = stub_launcher
     env["HL_DATA_DIR"] = str(tmp_path / "nowhere")
