@@ -3,8 +3,9 @@
 One file, torch and the standard library only. Module and parameter names follow Hugging Face's
 `modeling_bert.py`, so `BertForPreTraining.state_dict()` has the keys of `transformers.BertForPreTraining`
 but one: transformers also lists `cls.predictions.decoder.bias`, the same tensor as `cls.predictions.bias`,
-which ours lists once (finetune/hf_interop.py adds or drops the alias; tests/test_modeling.py checks the
-keys). State_dict keys are a public interface: checkpoints and the HF cross-check rely on them.
+which ours lists once (TRANSFORMERS_ONLY_KEYS; finetune/hf_interop.py adds or drops the alias;
+tests/test_modeling.py checks the keys). State_dict keys are a public interface: checkpoints and the HF
+cross-check rely on them.
 
 Two layer wirings, chosen by `BertConfig.layer_norm_large_model`:
 - False: classic post-LN BERT, `x = LN(x + sublayer(x))`.
@@ -41,6 +42,9 @@ LAYER_NORM_EPS = 1e-12
 MASK_VALUE = -10000.0  # additive attention mask, as the reference and original BERT
 VOCAB_PAD_MULTIPLE = 8  # the embedding and decoder rows are padded for tensor-core/TPC friendly shapes
 MLM_IGNORE_INDEX = -1  # label of unmasked positions in the reference's HDF5 shards
+# Keys of transformers' BertForPreTraining saves that this model does not have: the alias of cls.predictions.bias,
+# and the position_ids buffer (0, 1, 2, ...) that transformers before 4.31 saved. Readers of such saves drop them.
+TRANSFORMERS_ONLY_KEYS = ("cls.predictions.decoder.bias", "bert.embeddings.position_ids")
 
 
 # ----------------------------------------------------------------------------------------------------------

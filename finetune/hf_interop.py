@@ -34,7 +34,7 @@ import torch
 
 from common.atomic_write import atomic_path, write_text_atomically
 from common.errors import InputError, one_line
-from modeling import LAYER_NORM_EPS, BertConfig
+from modeling import LAYER_NORM_EPS, TRANSFORMERS_ONLY_KEYS, BertConfig
 
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # A sharded save: the index maps every key to the file (in the same directory) that holds it.
@@ -106,8 +106,8 @@ def fix_state_dict(state: dict, config: BertConfig) -> dict:
         if key.startswith(("embeddings.", "encoder.", "pooler.")):
             key = f"bert.{key}"
         fixed[key] = value
-    fixed.pop("cls.predictions.decoder.bias", None)  # the same tensor as cls.predictions.bias
-    fixed.pop("bert.embeddings.position_ids", None)  # a buffer (0, 1, 2, ...) in older transformers' saves
+    for key in TRANSFORMERS_ONLY_KEYS:
+        fixed.pop(key, None)
     if "cls.predictions.bias" in fixed and "cls.predictions.decoder.weight" not in fixed:
         # transformers' save_pretrained stores the tied decoder weight once, as the word embedding
         fixed["cls.predictions.decoder.weight"] = fixed["bert.embeddings.word_embeddings.weight"]

@@ -765,8 +765,10 @@ def test_text_file_as_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, c
                    "empty list) [no restart]"]
 
 
-def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path):
-    """Interoperability: a transformers.BertForPreTraining (post-LN) state dict starts a run as it is."""
+@pytest.mark.parametrize("older_save", [False, True], ids=["current", "with_position_ids"])
+def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path, older_save):
+    """Interoperability: a transformers.BertForPreTraining (post-LN) state dict starts a run as it is, also one
+    saved by transformers before 4.31, which holds the bert.embeddings.position_ids buffer."""
     transformers = pytest.importorskip("transformers")
     tiny = json.loads(Path(helpers.TINY_MODEL_CONFIG).read_text())
     config_file = tmp_path / "post_ln.json"
@@ -774,7 +776,8 @@ def test_init_checkpoint_accepts_a_hugging_face_state_dict(tmp_path):
     config = rp.BertConfig.from_json_file(config_file)
     hf_model = transformers.BertForPreTraining(transformers.BertConfig(**to_transformers_config(config)))
     hf_weights = hf_model.state_dict()
-    torch.save(hf_weights, tmp_path / "hf.pt")
+    position_ids = {"bert.embeddings.position_ids": torch.arange(config.max_position_embeddings)[None]}
+    torch.save(dict(hf_weights, **position_ids) if older_save else hf_weights, tmp_path / "hf.pt")
     ours = rp.build_model(config, tmp_path / "hf.pt", 0).state_dict()
     assert all(torch.equal(ours[key], hf_weights[key]) for key in ours)
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from common.errors import NO_RESTART_MARK, HostInputError, InputError, InputErrorOnEveryRank, one_line
 from common.storage import WRITE_PROBE_PREFIX
+from modeling import TRANSFORMERS_ONLY_KEYS
 from training import gaudi
 
 try:
@@ -357,7 +358,8 @@ def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
     state = state.get("module", state) if isinstance(state, dict) else state
     if not isinstance(state, dict) or not all(torch.is_tensor(value) for value in state.values()):
         raise InputError(f"{flag} {path}: {file} holds no state dict of tensors; {INIT_WEIGHT_SOURCES}")
-    state.pop("cls.predictions.decoder.bias", None)  # Hugging Face stores the tied decoder bias twice
+    for key in TRANSFORMERS_ONLY_KEYS:
+        state.pop(key, None)
     try:
         model.load_state_dict({key: value.float() for key, value in state.items()})
     except RuntimeError as err:  # missing/unexpected keys or shapes: another model config
