@@ -323,7 +323,7 @@ def check_same_shards_on_every_rank(data: DataInfo, input_dir: str) -> None:
     dist.all_gather_object(digests, hashlib.sha256(json.dumps(listing).encode()).hexdigest())
     if len(set(digests)) == 1:
         return
-    listings, hosts = [None] * len(digests), runtime.gather_rank_hosts()
+    listings, hosts = [None] * len(digests), runtime.job_hosts()
     dist.all_gather_object(listings, listing)
     other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
     first, second = ({name: size for name, size in listings[r]["shards"]} for r in (0, other))
@@ -902,11 +902,7 @@ def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig
 def nothing_to_train(tag: str, max_steps: int, state: TrainState, logger: "dllogger.Logger",
                      say: Callable[[str], None], elapsed: float) -> dict:
     say(f"checkpoint {tag} is already at --max_steps {max_steps}: nothing to train")
-    summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
-               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": False, "nothing_to_train": True}
-    logger.log(step=(), data=summary)
-    logger.flush()
-    return summary
+    return log_summary_without_steps(state, logger, elapsed, stopped_by_signal=False, nothing_to_train=True)
 
 
 def stop_requested_on_any_rank(stop_event: threading.Event, device: torch.device) -> bool:
@@ -920,8 +916,13 @@ def stopped_before_training(state: TrainState, logger: "dllogger.Logger", say: C
                             elapsed: float) -> dict:
     say(f"stop requested (SIGTERM/SIGINT) during start-up: stopping before the first step, at step "
         f"{state.global_step}")
+    return log_summary_without_steps(state, logger, elapsed, stopped_by_signal=True)
+
+
+def log_summary_without_steps(state: TrainState, logger: "dllogger.Logger", elapsed: float, **flags) -> dict:
+    """The final record of a run that made no step (no loss, no speed), with `flags` added; returned."""
     summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
-               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": True}
+               "skipped_shards": len(state.skipped_shards), **flags}
     logger.log(step=(), data=summary)
     logger.flush()
     return summary

@@ -127,6 +127,11 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
 
 # What a rank knows of the job for the message when a collective fails (set once, at initialisation).
 _JOB = {"timeout_s": None, "hosts": []}
+
+
+def job_hosts() -> list:
+    """host_label() of every rank, by rank, as gathered at initialisation (setup_device_and_distributed)."""
+    return list(_JOB["hosts"])
 # How gloo reports a peer that died (connection closed or reset, naming its address) or never answered.
 _PEER_GONE = re.compile(r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer)[^\[]*"
                         r"(?:\[([0-9A-Fa-f.:]+)\])?")
