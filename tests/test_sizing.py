@@ -123,10 +123,13 @@ def test_planner_matches_measured_peak_memory(tmp_path, stage, world, checkpoint
 @pytest.mark.slow
 def test_planner_counts_the_gradients_held_between_micro_batches(tmp_path):
     """ZeRO-1, micro-batch 32 (the peak is in the backward pass), 1 and 2 micro-batches per step: both within
-    15% of the measured peak, and the prediction grows with the measured peak (from 2 micro-batches on, every
-    backward runs with the earlier micro-batches' gradients held). The growth measured was 31.0 MiB against
-    the 21.5 MiB of bf16 gradients predicted (docs/results.md); a planner that ignores them does not grow."""
+    15% of the measured peak, the prediction grows by the model's bf16 gradients (counted here from the
+    model's own parameters) and the measured peak grows by at least that much (from 2 micro-batches on, every
+    backward runs with the earlier micro-batches' gradients held). How much more it grows depends on the CPU's
+    kernels: 31.0 MiB on one machine, 45.9 on another, against 21.5 MiB of gradients (docs/results.md). A
+    planner that ignores the held gradients does not grow."""
     config = BertConfig(**MEASURED_MODEL)
+    bf16_gradients = 2 * sum(parameter.numel() for parameter in BertForPreTraining(config).parameters())
     predicted, measured = {}, {}
     for gas in (1, 2):
         run = sizing.Run(micro_batch=32, seq_len=128, max_pred=20, world_size=1, zero_stage=1,
@@ -135,8 +138,8 @@ def test_planner_counts_the_gradients_held_between_micro_batches(tmp_path):
         [measured[gas]] = measured_peaks(tmp_path / f"gas{gas}", 1, 1, False, BUCKET, 32, gas=gas)
         assert predicted[gas] == pytest.approx(measured[gas], rel=0.15), (gas, predicted[gas] / 2**20,
                                                                           measured[gas] / 2**20)
-    assert measured[2] > measured[1]
-    assert predicted[2] - predicted[1] >= 0.5 * (measured[2] - measured[1]), (predicted, measured)
+    assert predicted[2] - predicted[1] == pytest.approx(bf16_gradients, rel=0.01), (predicted, bf16_gradients)
+    assert measured[2] - measured[1] >= predicted[2] - predicted[1], (predicted, measured)
 
 
 def test_held_gradients_follow_the_zero_stage_and_the_json():
