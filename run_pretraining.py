@@ -389,7 +389,7 @@ class TrainState:
     phase: int = 1
     skipped_shards: list = field(default_factory=list)
     bad_steps: int = 0              # steps skipped for a non-finite loss, in total
-    bad_steps_in_a_row: int = 0
+    bad_steps_in_a_row: int = 0     # the current streak of those: a resume continues it (--max_bad_steps)
 
 
 def checkpoint_tag(state: TrainState, phase1_end_step: int) -> str:
@@ -444,8 +444,9 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
     # The model config is checked before DeepSpeed loads anything, for a --resume_step tag too.
     client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, world,
                                                        model_config=config.to_dict(), say=say)
+    # Checkpoints from before the streak was saved lack it: such a resume counts the streak from 0.
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
-                       list(client["skipped_shards"]), client["bad_steps"])
+                       list(client["skipped_shards"]), client["bad_steps"], client.get("bad_steps_in_a_row", 0))
     if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0
         runtime.seed_everything(seed + rank + world * state.global_step)
     else:
@@ -511,7 +512,7 @@ def save(run: "Run", state: TrainState) -> str:
                     "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
                     "model_config": run.model_config.to_dict(), "world_size": run.world,
                     "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps,
-                    "data_layout": run.data_layout}
+                    "bad_steps_in_a_row": state.bad_steps_in_a_row, "data_layout": run.data_layout}
     if run.copies is not None:
         run.copies.finish(run.device)
     checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,

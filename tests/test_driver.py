@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import time
 from contextlib import nullcontext
@@ -305,6 +306,34 @@ def test_too_many_bad_steps_stop_with_a_checkpoint(tmp_path, tiny_shards):
     with pytest.raises(rp.TrainingStopped, match="^3 consecutive steps had a non-finite loss"):
         run(tmp_path, tiny_shards, max_steps=10, max_bad_steps=3, criterion=PoisonedCriterion(bad_calls=range(2, 100)))
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "4"
+
+
+def test_a_resume_in_a_streak_of_bad_steps_stops_where_the_whole_run_stops(tmp_path, tiny_shards):
+    """Every step from step 2 on has a non-finite loss; --max_bad_steps 3. The run in one go stops at step 4.
+    Stopped after step 3 (a streak of 2) and resumed, it must stop at step 4 too: the streak is in the
+    checkpoint. A checkpoint saved without the streak (before it was saved) still resumes, from a streak of 0."""
+    common = dict(max_steps=10, max_bad_steps=3)
+
+    def stop_step(directory, first_bad_call, **flags) -> int:
+        with pytest.raises(rp.TrainingStopped) as stopped:
+            run(directory, tiny_shards, criterion=PoisonedCriterion(bad_calls=range(first_bad_call, 100)),
+                **common, **flags)
+        return int(re.search(r"stopped at step (\d+)$", str(stopped.value)).group(1))
+
+    whole_stop = stop_step(tmp_path / "whole", first_bad_call=2)
+    assert whole_stop == 4
+    _, _, output_dir = run(tmp_path / "split", tiny_shards, steps_this_run=3,
+                           criterion=PoisonedCriterion(bad_calls=range(2, 100)), **common)
+    assert (output_dir / "latest").read_text().strip() == "3"
+    shutil.copytree(tmp_path / "split", tmp_path / "old_style")
+    # The resumed run's criterion counts its calls from 1: all of them are bad.
+    assert stop_step(tmp_path / "split", first_bad_call=1, resume_from_checkpoint=True) == whole_stop
+    # An older checkpoint: the streak's key left out of the manifest, which lists the keys a resume reads.
+    manifest_path = tmp_path / "old_style" / "checkpoints" / "3" / checkpointing.MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["client_state_keys"].remove("bad_steps_in_a_row")
+    manifest_path.write_text(json.dumps(manifest))
+    assert stop_step(tmp_path / "old_style", first_bad_call=1, resume_from_checkpoint=True) == 3 + 3
 
 
 def test_sigterm_finishes_the_step_saves_and_returns(tmp_path, tiny_shards):
