@@ -137,9 +137,12 @@ def main(argv=None, *, make_loss=loss_function) -> dict:
     check_flags(args, config)
     data = read_task_data(task, args.data_dir, split_names(task, args.do_train, args.do_eval, args.do_predict),
                           tokenizer, args.max_seq_length)
-    session = finetuning.start(args, ds_config, "run_glue")
-    model = finetuning.build_model(lambda c: BertForSequenceClassification(c, task.num_labels), config, weights,
-                                   session, fine_tune=args.do_train)
+    def make_model(model_config):
+        return BertForSequenceClassification(model_config, task.num_labels)
+
+    finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)
+    session = finetuning.start(args, ds_config, "run_glue")  # from here on, the run writes its outputs
+    model = finetuning.build_model(make_model, config, weights, session, fine_tune=args.do_train)
     return finetuning.train_then_evaluate(
         session, model, data["train"][1] if args.do_train else None, make_loss(task),
         (lambda: evaluate(session, model, task, data, args.eval_batch_size)) if args.do_eval or args.do_predict

@@ -171,9 +171,9 @@ def main(argv=None) -> dict:
                           args.predict_file if args.do_predict or args.do_eval else None, scored=args.do_eval,
                           version_2_with_negative=args.version_2_with_negative, max_seq_length=args.max_seq_length,
                           doc_stride=args.doc_stride, max_query_length=args.max_query_length)
-    session = finetuning.start(args, ds_config, "run_squad")
-    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session,
-                                   fine_tune=args.do_train)
+    finetuning.check_weights(BertForQuestionAnswering, config, weights, fine_tune=args.do_train)
+    session = finetuning.start(args, ds_config, "run_squad")  # from here on, the run writes its outputs
+    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session, fine_tune=args.do_train)
     predict = None
     if "predict" in data:
         predict = functools.partial(

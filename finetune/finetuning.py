@@ -9,9 +9,11 @@ Interface, in the order an entry point's main() calls it:
     ds_config = finetuning.validate(args)        # common checks + the DeepSpeed settings; InputError
     config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)  # any weight source
     tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)  # vocab size == model's
+    make_model = lambda config: BertForSequenceClassification(config, 2)  # the task's head model
+    finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)  # InputError, before any output
     session = finetuning.start(args, ds_config, "run_glue")  # device, process group, seed + rank, dllogger
-    model = finetuning.build_model(lambda config: BertForSequenceClassification(config, 2), config, weights,
-                                   session, fine_tune=args.do_train)  # built under --seed on every rank
+    model = finetuning.build_model(make_model, config, weights, session,
+                                   fine_tune=args.do_train)  # built under --seed on every rank
     summary = finetuning.train_then_evaluate(session, model, features, loss_fn, evaluate)
     #   = train(session, model, features, loss_fn)  (DeepSpeed; resume; SIGTERM -> checkpoint), then, unless
     #     stopped, evaluate(), which calls predict(session, model, features, batch_size, forward_fn); logged
@@ -340,20 +342,19 @@ def start(args, ds_config: dict | None, name: str) -> Session:
                    training=training)
 
 
-def build_model(make_model, config: BertConfig, weights: dict | None, session: Session, *, fine_tune: bool):
-    """make_model(config) -> a head model of modeling.py, with `weights` loaded: every encoder weight
-    (bert.*) must be there; head weights are used when present (a fine-tuned checkpoint), else the head
-    starts fresh, which only fine-tuning (fine_tune: --do_train) may do; the pretraining heads (cls.*) are
-    not used. A checkpoint without a pooler (bert.pooler.*: transformers' question-answering and masked-LM
-    saves) gets a fresh one, as transformers does; evaluation may use it so only with a head that does
-    not read it (POOLER_UNUSED). The model is built under the run's seed, the same on every rank (a fresh
-    head is one head, not one per rank); seed + rank is in force again afterwards, for dropout and the like."""
-    runtime.seed_everything(session.training.seed)
-    model = make_model(config)
-    runtime.seed_everything(session.training.seed + session.rank)
+def check_weights(make_model, config: BertConfig, weights: dict | None, *, fine_tune: bool) -> None:
+    """build_model's checks of `weights` (InputError), before the run writes anything: the model is built on
+    the meta device (names and shapes, no memory, no random numbers)."""
     if weights is None:
-        session.say("no --init_checkpoint: the encoder starts from random weights")
-        return model
+        return
+    with torch.device("meta"):
+        model = make_model(config)
+    _check_fit(model, config, weights, fine_tune=fine_tune)
+
+
+def _check_fit(model, config: BertConfig, weights: dict, *, fine_tune: bool) -> None:
+    """Every encoder weight (bert.*) of `model` is in `weights` with its shape, and nothing else of bert.*;
+    the task head (and the pooler it reads) only when not fine_tune. InputError otherwise."""
     own = model.state_dict()
     pooler = sorted(key for key in own if key.startswith(POOLER_PREFIX))
     pooler_absent = bool(pooler) and not any(key in weights for key in pooler)  # as in a QA or MLM save
@@ -376,6 +377,25 @@ def build_model(make_model, config: BertConfig, weights: dict | None, session: S
         raise InputError(f"--init_checkpoint has no task head ({', '.join(head_missing)}): evaluation without "
                          f"--do_train needs fine-tuned weights, e.g. <output_dir>/{CHECKPOINT_SUBDIR} of a "
                          f"--do_train run")
+
+
+def build_model(make_model, config: BertConfig, weights: dict | None, session: Session, *, fine_tune: bool):
+    """make_model(config) -> a head model of modeling.py, with `weights` loaded: every encoder weight
+    (bert.*) must be there; head weights are used when present (a fine-tuned checkpoint), else the head
+    starts fresh, which only fine-tuning (fine_tune: --do_train) may do; the pretraining heads (cls.*) are
+    not used. A checkpoint without a pooler (bert.pooler.*: transformers' question-answering and masked-LM
+    saves) gets a fresh one, as transformers does; evaluation may use it so only with a head that does
+    not read it (POOLER_UNUSED). The model is built under the run's seed, the same on every rank (a fresh
+    head is one head, not one per rank); seed + rank is in force again afterwards, for dropout and the like.
+    The entry points call check_weights first, before start(): bad weights stop the run before it writes."""
+    runtime.seed_everything(session.training.seed)
+    model = make_model(config)
+    runtime.seed_everything(session.training.seed + session.rank)
+    if weights is None:
+        session.say("no --init_checkpoint: the encoder starts from random weights")
+        return model
+    _check_fit(model, config, weights, fine_tune=fine_tune)
+    own = model.state_dict()
     loaded = {key: weights[key].float() for key in own if key in weights}
     model.load_state_dict(loaded, strict=False)
     fresh = sorted({POOLER_PREFIX.rstrip(".") if key.startswith(POOLER_PREFIX) else key.split(".")[0]

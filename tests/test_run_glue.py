@@ -82,10 +82,29 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
                                   init_checkpoint=tmp_path / "other.pt")) == 1
     assert one_error_line(capsys).startswith("error: --init_checkpoint does not fit the model config (hidden 128")
+    assert not (tmp_path / "out").exists()  # refused before the output directory and dllogger.json are made
     hf_interop.export_directory(BertForPreTraining(other).state_dict(), other, VOCAB, True, tmp_path / "hf")
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
                                   init_checkpoint=tmp_path / "hf")) == 1
     assert one_error_line(capsys).endswith("is for another model config: hidden_size 64 there, 128 in --config_file")
+
+
+def test_evaluation_of_a_checkpoint_without_the_head_is_refused_before_any_output(tmp_path, capsys):
+    """--do_eval alone on pretrained weights (no classifier): one error line naming the head's keys (those the
+    classification model has and the pretraining model has not), and neither the output directory nor the
+    dllogger file elsewhere (--json-summary) is made."""
+    from modeling import BertForPreTraining, BertForSequenceClassification
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    config = BertConfig.from_json_file(TINY_CONFIG)
+    torch.save(BertForPreTraining(config).state_dict(), tmp_path / "pretrained.pt")
+    head = sorted(BertForSequenceClassification(config, 2).state_dict().keys()
+                  - BertForPreTraining(config).state_dict().keys())
+    argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, init_checkpoint=tmp_path / "pretrained.pt",
+                     do_train=False, **{"json-summary": tmp_path / "logs" / "dllogger.json"})
+    assert run_glue.cli(argv) == 1
+    assert one_error_line(capsys).startswith(f"error: --init_checkpoint has no task head ({', '.join(head)}): "
+                                             "evaluation without --do_train needs fine-tuned weights")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "logs").exists()
 
 
 # ============================================================================ --train_batch_size, as NVIDIA's
