@@ -54,6 +54,7 @@ MFU_RANGE = {"accelerator": (0.20, 1.0), "cpu": (0.10, 1.0), "tiny": (1e-6, 1.0)
 # Measured peak / planned peak: tests/test_sizing.py holds the planner to 15 % on the CPU; on an accelerator
 # fused attention may keep less than the planned S x S probabilities.
 MEMORY_RATIO_RANGE = {"accelerator": (0.6, 1.15), "cpu": (0.85, 1.15)}
+MODES = ("eager", "compile")
 
 
 def parse_arguments(argv=None):
@@ -67,6 +68,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--work_dir", default=None, help="Sample data and run outputs (default: a temporary "
                         "directory, removed at the end).")
     args = parser.parse_args(argv)
+    unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
+    if unknown:
+        parser.error(f"--modes takes {', '.join(MODES)} or both, comma-separated; got {args.modes!r}")
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step is left out of the figures), got {args.steps}")
     return args
@@ -134,7 +138,7 @@ def planned_modes(wanted: list, device_type: str, driver_compiles: bool, environ
     bridge's mode for the whole process: the eager pass belongs to lazy mode (the launchers' default) and the
     compile pass to PT_HPU_LAZY_MODE=0 (the driver refuses compile mode under lazy mode); run in the other mode,
     the eager pass would be Habana's op-by-op eager mode, which no launcher runs."""
-    modes, skipped = [mode for mode in ("eager", "compile") if mode in wanted], []
+    modes, skipped = [mode for mode in MODES if mode in wanted], []
     if "compile" in modes and not driver_compiles:
         modes.remove("compile")
         skipped.append("SKIP compile mode: this driver has no --enable_torch_compile")

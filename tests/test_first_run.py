@@ -64,3 +64,14 @@ def test_compile_pass_under_lazy_mode_is_skipped_before_any_work(tmp_path, capsy
     assert lines[1].startswith("SKIP compile mode:") and lines[1].endswith(ON_GAUDI_COMPILE)
     assert list(tmp_path.iterdir()) == []
     assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
+
+
+@pytest.mark.parametrize("modes", ["eagr", "", "eager,", "Compile", "eager compile"])
+def test_a_mode_it_does_not_know_is_one_error_line_before_any_work(modes, tmp_path, capsys):
+    """A misspelt --modes ran nothing and exited 0 with no verdict: it looked like a pass."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_first_run().main(["--no_cuda", "--modes", modes, "--work_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--modes takes eager, compile" in errors[0] and repr(modes) in errors[0]
+    assert list(tmp_path.iterdir()) == []
