@@ -728,9 +728,41 @@ def test_bad_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, capsys, pr
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=weights)) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    expected = {"corrupt": "cannot read", "other_config": "does not fit the model config (hidden 128",
+    expected = {"corrupt": "cannot read",
+                "other_config": "does not fit the model config (hidden 128, 2 layers, padded vocab 30528): the "
+                                "checkpoint has hidden 64, 2 layers",
                 "not_a_state_dict": "holds no state dict"}[problem]
     assert len(err) == 1 and err[0].startswith("error: --init_checkpoint") and expected in err[0]
+
+
+# A layer of the tiny config: Q, K, V and the attention output (weight and bias each), the attention's LayerNorm,
+# the intermediate and output dense layers, the output LayerNorm.
+TENSORS_PER_LAYER = 4 * 2 + 2 + 2 * 2 + 2
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"hidden_size": 64}, "the checkpoint has hidden 64, 2 layers, 30528 vocabulary rows; {reshaped} tensors of "
+     "another shape (first bert.embeddings.word_embeddings.weight: [30528, 64] in the checkpoint, [30528, 128] in "
+     "the model)"),
+    ({"num_hidden_layers": 3}, f"the checkpoint has hidden 128, 3 layers, 30528 vocabulary rows; {TENSORS_PER_LAYER} "
+     "unexpected keys (first bert.encoder.layer.2.attention.self.query.weight)"),
+    ({"num_hidden_layers": 1}, f"the checkpoint has hidden 128, 1 layer, 30528 vocabulary rows; {TENSORS_PER_LAYER} "
+     "missing keys (first bert.encoder.layer.1.attention.self.query.weight)"),
+], ids=["hidden", "more_layers", "fewer_layers"])
+def test_init_checkpoint_of_another_config_names_what_does_not_fit(tmp_path, change, expected):
+    """The error says what the checkpoint's config is and which tensor differs first, with both shapes, so
+    that a user can tell which config is wrong. The count of reshaped tensors is counted here over the two
+    state dicts; the layer's tensor count is the tiny config's, by hand."""
+    tiny = json.loads(Path(helpers.TINY_MODEL_CONFIG).read_text())
+    saved = rp.BertForPreTraining(rp.BertConfig.from_dict(dict(tiny, **change))).state_dict()
+    torch.save(saved, tmp_path / "other.pt")
+    model = rp.BertForPreTraining(rp.BertConfig.from_dict(tiny))
+    own = model.state_dict()
+    reshaped = sum(saved[key].shape != own[key].shape for key in own.keys() & saved.keys())
+    with pytest.raises(rp.InputError) as caught:
+        runtime.load_init_weights(model, tmp_path / "other.pt")
+    assert str(caught.value) == (f"--init_checkpoint {tmp_path / 'other.pt'} does not fit the model config (hidden "
+                                 f"128, 2 layers, padded vocab 30528): {expected.format(reshaped=reshaped)}")
 
 
 def unreadable_weight_files(directory) -> list:

@@ -365,13 +365,47 @@ def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
         raise InputError(f"{flag} {path}: {file} holds no state dict of tensors; {INIT_WEIGHT_SOURCES}")
     for key in TRANSFORMERS_ONLY_KEYS:
         state.pop(key, None)
+    config = model.config
+    fits = (f"{flag} {file} does not fit the model config (hidden {config.hidden_size}, "
+            f"{config.num_hidden_layers} layers, padded vocab {config.padded_vocab_size})")
+    misfit = describe_misfit(model.state_dict(), state)
+    if misfit:
+        raise InputError(f"{fits}: {misfit}")
     try:
         model.load_state_dict({key: value.float() for key, value in state.items()})
-    except RuntimeError as err:  # missing/unexpected keys or shapes: another model config
-        config = model.config
-        raise InputError(f"{flag} {file} does not fit the model config (hidden {config.hidden_size}, "
-                         f"{config.num_hidden_layers} layers, padded vocab {config.padded_vocab_size}): "
-                         f"{one_line(err)}") from err
+    except RuntimeError as err:  # what describe_misfit does not look at
+        raise InputError(f"{fits}: {one_line(err)}") from err
+
+
+ENCODER_LAYER_KEY = re.compile(r"^bert\.encoder\.layer\.(\d+)\.")
+WORD_EMBEDDINGS_KEY = "bert.embeddings.word_embeddings.weight"
+
+
+def describe_misfit(own: dict, saved: dict) -> str:
+    """How the tensors `saved` differ from a model's state dict `own` ("" when they fit), in one line that
+    says which config they are for: the checkpoint's hidden size (from its word embeddings) and layer
+    count, then the tensors of another shape, the missing and the unexpected keys, each with its count and
+    the first one (own's order, then saved's)."""
+    other_shape = [key for key in own if key in saved and tuple(saved[key].shape) != tuple(own[key].shape)]
+    missing = [key for key in own if key not in saved]
+    unexpected = [key for key in saved if key not in own]
+    if not (other_shape or missing or unexpected):
+        return ""
+    parts = []
+    if WORD_EMBEDDINGS_KEY in saved and saved[WORD_EMBEDDINGS_KEY].dim() == 2:
+        layers = len({int(match.group(1)) for match in map(ENCODER_LAYER_KEY.match, saved) if match})
+        parts.append(f"the checkpoint has hidden {saved[WORD_EMBEDDINGS_KEY].shape[1]}, {layers} "
+                     f"layer{'' if layers == 1 else 's'}, "
+                     f"{saved[WORD_EMBEDDINGS_KEY].shape[0]} vocabulary rows")
+    if other_shape:
+        first = other_shape[0]
+        parts.append(f"{len(other_shape)} tensors of another shape (first {first}: "
+                     f"{list(saved[first].shape)} in the checkpoint, {list(own[first].shape)} in the model)")
+    if missing:
+        parts.append(f"{len(missing)} missing keys (first {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected keys (first {unexpected[0]})")
+    return "; ".join(parts)
 
 
 def check_writable_directory(path, flag: str) -> None:
