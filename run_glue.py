@@ -141,6 +141,7 @@ def main(argv=None, *, make_loss=loss_function) -> dict:
         return BertForSequenceClassification(model_config, task.num_labels)
 
     finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)
+    finetuning.check_training_data(ds_config, len(data["train"][0]) if args.do_train else None)
     session = finetuning.start(args, ds_config, "run_glue")  # from here on, the run writes its outputs
     model = finetuning.build_model(make_model, config, weights, session, fine_tune=args.do_train)
     return finetuning.train_then_evaluate(

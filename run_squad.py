@@ -172,6 +172,8 @@ def main(argv=None) -> dict:
                           version_2_with_negative=args.version_2_with_negative, max_seq_length=args.max_seq_length,
                           doc_stride=args.doc_stride, max_query_length=args.max_query_length)
     finetuning.check_weights(BertForQuestionAnswering, config, weights, fine_tune=args.do_train)
+    finetuning.check_training_data(ds_config, len(data["train"][1]) if "train" in data else None,
+                                   "training windows (features of --train_file's questions)")
     session = finetuning.start(args, ds_config, "run_squad")  # from here on, the run writes its outputs
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session, fine_tune=args.do_train)
     predict = None

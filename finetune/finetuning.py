@@ -437,16 +437,31 @@ class Plan:
         return order[start:start + self.micro]
 
 
+def training_plan(ds_config: dict, world: int, num_examples: int, what: str = "training examples") -> Plan:
+    """The batch geometry of training on num_examples rows (`what` they are, for the error) on `world` ranks;
+    InputError when they do not fill one global batch."""
+    plan = Plan(ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"], world,
+                num_examples)
+    if plan.steps_per_epoch == 0:
+        raise InputError(f"{num_examples} {what}, fewer than one global batch of {plan.global_batch} (micro-batch "
+                         f"{plan.micro} x {plan.gas} accumulation steps x {world} ranks): lower --train_batch_size")
+    return plan
+
+
+def check_training_data(ds_config: dict | None, num_examples: int | None, what: str = "training examples") -> None:
+    """training_plan's check before start() writes anything; the ranks are the launcher's WORLD_SIZE, as in
+    validate(). Nothing to check without training (ds_config or num_examples None)."""
+    if ds_config is not None and num_examples is not None:
+        training_plan(ds_config, int(os.environ.get("WORLD_SIZE", "1")), num_examples, what)
+
+
 def train(session: Session, model, features: dict, loss_fn) -> dict:
     # The first torch.optim optimizer built in a process imports torch._dynamo (seconds on a 2-core CPU): that is
     # start-up, so it happens before the training clock starts (transformers' Trainer imports it before train()).
     importlib.import_module("torch._dynamo")
     started = time.perf_counter()
     flags, ds_config = session.training, session.ds_config
-    plan = Plan(ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"],
-                session.world, len(next(iter(features.values()))))
-    if plan.steps_per_epoch == 0:
-        raise InputError(f"{plan.num_examples} training examples, fewer than one global batch ({plan.global_batch})")
+    plan = training_plan(ds_config, session.world, len(next(iter(features.values()))))
     total_steps = plan.total_steps(flags.max_steps, flags.num_train_epochs)
     # The fused kernel, as transformers' Trainer uses: on the CPU the default is a per-tensor loop, and the step
     # took most of a fine-tuning step's time (docs/results.md, bench_glue). Gaudi has its own fused optimizers.

@@ -107,6 +107,18 @@ def test_evaluation_of_a_checkpoint_without_the_head_is_refused_before_any_outpu
     assert not (tmp_path / "out").exists() and not (tmp_path / "logs").exists()
 
 
+def test_a_training_set_smaller_than_one_global_batch_is_refused_before_any_output(tmp_path, capsys):
+    """40 training examples; --train_batch_size 64 with 2 accumulation steps on one rank: micro-batches of 32,
+    a global batch of 64 (NVIDIA's meaning, worked out here by hand). Refused before anything is written."""
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, train_batch_size=64,
+                     gradient_accumulation_steps=2)
+    assert run_glue.cli(argv) == 1
+    assert one_error_line(capsys) == ("error: 40 training examples, fewer than one global batch of 64 (micro-batch 32 "
+                                      "x 2 accumulation steps x 1 ranks): lower --train_batch_size")
+    assert not (tmp_path / "out").exists()
+
+
 # ============================================================================ --train_batch_size, as NVIDIA's
 
 def batch_settings(train_batch_size, accumulation, world_size=1, deepspeed_config=None):

@@ -249,6 +249,20 @@ def test_squad_help_says_do_eval_and_do_predict_both_read_predict_file():
 
 # ============================================================================ the task head
 
+def test_a_training_set_smaller_than_one_global_batch_is_refused_before_any_output(tmp_path, capfd):
+    """Two short paragraphs: one window per question (counted here in the JSON), fewer than --train_batch_size 8
+    on one rank. Refused before anything is written."""
+    paragraphs = word_questions(sample_sentences()[:2], 1, seed=0)
+    questions = sum(len(paragraph["qas"]) for paragraph in paragraphs)
+    assert 0 < questions < 8
+    train = write_squad(tmp_path / "train.json", paragraphs)
+    status = run_squad.cli(squad_argv(tmp_path / "out", train_file=train, do_train=True))
+    assert one_error_line(capfd, status) == (
+        f"error: {questions} training windows (features of --train_file's questions), fewer than one global batch "
+        "of 8 (micro-batch 8 x 1 accumulation steps x 1 ranks): lower --train_batch_size")
+    assert not (tmp_path / "out").exists()
+
+
 def pretraining_state_file(tmp_path, drop=()):
     """A BertForPreTraining state dict of the tiny config (no qa_outputs), saved as the export file is; the keys
     starting with an entry of `drop` left out."""
