@@ -327,7 +327,8 @@ def start(args, ds_config: dict | None, name: str) -> Session:
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime.seed_everything(args.seed + rank)
-    logger = runtime.build_logger(args.json_summary, rank)
+    # A resumed run adds to the interrupted one's records, as run_pretraining.py does.
+    logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "deepspeed_config": ds_config})
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     say = (lambda text: print(f"[{name}] {text}", flush=True)) if rank == 0 else (lambda text: None)

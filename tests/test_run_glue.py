@@ -258,8 +258,10 @@ def test_with_shuffled_labels_the_same_run_stays_at_chance(tmp_path, pretrained_
 # ============================================================================ stop and resume
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, capsys):
+    """Stopped by SIGTERM in step 3, then resumed: the same final weights as the uninterrupted run, and its
+    dllogger file holds the same step records (the resumed run adds to it)."""
     data = write_sst2_rule_task(tmp_path / "data", 96, 32)
-    common = dict(config_file=TINY_CONFIG, max_steps=6, do_eval=False, max_seq_length=32)
+    common = dict(config_file=TINY_CONFIG, max_steps=6, do_eval=False, max_seq_length=32, log_freq=1)
     run_glue.main(glue_argv(data, tmp_path / "straight", **common))
 
     def loss_function_with_sigterm(task):
@@ -284,6 +286,10 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
     after_resume = checkpointing.consolidated_state_dict(tmp_path / "resumed" / "checkpoints")
     for key, value in straight.items():
         torch.testing.assert_close(after_resume[key], value, rtol=0, atol=0, msg=key)
+    straight_steps, resumed_steps = (helpers.step_records(tmp_path / name / "dllogger.json")
+                                     for name in ("straight", "resumed"))
+    assert [r["step"][1] for r in straight_steps] == [1, 2, 3, 4, 5, 6]
+    assert [(r["step"], r["data"]) for r in resumed_steps] == [(r["step"], r["data"]) for r in straight_steps]
 
 
 # ============================================================================ 2 ranks == 1 rank
