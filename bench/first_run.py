@@ -9,9 +9,10 @@ or GPU machine, from the repository root, in the project's environment:
 It builds the sample data (data/create_datasets_from_start.sh sample, phase 1: seq 128, 20 predictions),
 then runs the real driver (run_pretraining.py's main, one device, bf16, ZeRO-1, LANS) for --steps steps at
 BERT-1.5B widths with 2 layers, then with the full BERT-1.5B config, in eager mode and, where the driver
-has --enable_torch_compile, in compile mode. On a Gaudi the bridge's mode is fixed for the process by
-PT_HPU_LAZY_MODE, so one process runs one of the two as the launchers do: lazy mode (1, or unset) the eager
-pass, 0 the compile pass; the other is reported as SKIP with the command that runs it. For each run it prints
+has --enable_torch_compile, in compile mode, each run in a process of its own (as a launcher starts it).
+On a Gaudi the bridge's mode is fixed for the process by PT_HPU_LAZY_MODE, so one command runs one of the
+two as the launchers do: lazy mode (1, or unset) the eager pass, 0 the compile pass; the other is reported
+as SKIP with the command that runs it. For each run it prints
 - sequences/s and MFU: the median over the steps after the first (the first one warms up or compiles),
   from the driver's own per-step records; MFU is against the device's datasheet bf16 peak
   (hardware.DATASHEET_BF16_TFLOPS), or on the CPU the peak the driver measures at start-up;
@@ -55,6 +56,7 @@ MFU_RANGE = {"accelerator": (0.20, 1.0), "cpu": (0.10, 1.0), "tiny": (1e-6, 1.0)
 # fused attention may keep less than the planned S x S probabilities.
 MEMORY_RATIO_RANGE = {"accelerator": (0.6, 1.15), "cpu": (0.85, 1.15)}
 MODES = ("eager", "compile")
+RESULT_FILE = "first_run_result.json"  # in each run's directory: what the run's own process measured
 
 
 def parse_arguments(argv=None):
@@ -67,6 +69,7 @@ def parse_arguments(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="Optimizer steps per run (at least 2).")
     parser.add_argument("--work_dir", default=None, help="Sample data and run outputs (default: a temporary "
                         "directory, removed at the end).")
+    parser.add_argument("--one_run", default=None, help=argparse.SUPPRESS)  # INDEX:MODE, in the child (run_in_child)
     args = parser.parse_args(argv)
     unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
     if unknown:
@@ -100,10 +103,49 @@ def step_records(json_summary: Path) -> list:
     return records
 
 
+def run_directory(work_dir: Path, name: str, mode: str) -> Path:
+    return work_dir / f"{name.replace(' ', '_').replace(',', '')}_{mode}"
+
+
+def run_in_child(args, work_dir: Path, index: int, mode: str, device_type: str):
+    """Run `index` of the list in `mode` in a process of its own; returns run_once's result, a SKIP line, or the
+    child's exit status (an int) when it failed. Its own process, because the driver's DeepSpeed engine
+    outlives run_pretraining.main (its hooks keep it alive): in one process every run would start with the
+    models and optimizer states of the runs before it on the device, which the allocator's peak counts, and
+    the full config could run out of memory on what the 2-layer runs left."""
+    name = (TINY_RUNS if args.tiny else FULL_RUNS)[index][0]
+    result_file = run_directory(work_dir, name, mode) / RESULT_FILE
+    result_file.unlink(missing_ok=True)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--one_run", f"{index}:{mode}", "--steps", str(args.steps),
+            "--work_dir", str(work_dir)]
+    argv += ["--tiny"] * args.tiny + ["--use_hpu"] * args.use_hpu + ["--no_cuda"] * (device_type == "cpu")
+    status = subprocess.run(argv).returncode
+    if status != 0 or not result_file.exists():
+        return status or 1
+    result = json.loads(result_file.read_text())
+    return result["skip"] if "skip" in result else tuple(result["figures"])
+
+
+def one_run(args, device_type: str) -> int:
+    """The child of run_in_child: runs one run, writes its result to its run directory."""
+    index, mode = args.one_run.split(":")
+    name, config, accelerator_micro, cpu_micro = (TINY_RUNS if args.tiny else FULL_RUNS)[int(index)]
+    work_dir = Path(args.work_dir)
+    try:
+        result = run_once(args, work_dir, work_dir / "data" / DATASET, name, config,
+                          cpu_micro if device_type == "cpu" else accelerator_micro, mode, device_type)
+    except run_pretraining.InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    (run_directory(work_dir, name, mode) / RESULT_FILE).write_text(
+        json.dumps({"skip": result} if isinstance(result, str) else {"figures": result}))
+    return 0
+
+
 def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micro: int, mode: str, device_type: str):
-    """One driver run; returns (sequences/s, MFU, measured peak bytes, planned peak bytes, final loss) or None
-    when the planner says it does not fit."""
-    run_dir = work_dir / f"{name.replace(' ', '_').replace(',', '')}_{mode}"
+    """One driver run; returns (sequences/s, MFU, measured peak bytes, planned peak bytes, final loss), or a
+    SKIP line when the planner says it does not fit."""
+    run_dir = run_directory(work_dir, name, mode)
     ds_config = run_dir / "ds.json"
     run_dir.mkdir(parents=True, exist_ok=True)
     ds = {"train_batch_size": micro, "train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
@@ -125,8 +167,7 @@ def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micr
             summary = run_pretraining.main(argv)
     except run_pretraining.InputError as err:
         if "memory planner" in str(err):
-            print(f"  {name}, {mode}: SKIP: {err}")
-            return None
+            return f"SKIP {name}, {mode}: {err}"
         raise
     later = step_records(run_dir / "dllogger.json")[1:]
     return (statistics.median(r["average_perf_per_step"] for r in later), statistics.median(r["mfu"] for r in later),
@@ -165,35 +206,47 @@ def main(argv=None) -> int:
     device_type = "hpu" if args.use_hpu else "cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu"
     kind = "tiny" if args.tiny else "cpu" if device_type == "cpu" else "accelerator"
     runs = TINY_RUNS if args.tiny else FULL_RUNS
+    if args.one_run:
+        return one_run(args, device_type)
     modes, skipped = planned_modes(args.modes.split(","), device_type, driver_accepts("--enable_torch_compile"))
     results = []
     if modes:
         with tempfile.TemporaryDirectory() as scratch:
             work_dir = Path(args.work_dir or scratch)
             print(f"== building the sample data in {work_dir / 'data'}")
-            data_dir = build_sample_data(work_dir)
-            for name, config, accelerator_micro, cpu_micro in runs:
+            build_sample_data(work_dir)
+            for index, (name, _, accelerator_micro, cpu_micro) in enumerate(runs):
                 micro = cpu_micro if device_type == "cpu" else accelerator_micro
                 for mode in modes:
-                    print(f"== {name}, micro-batch {micro}, {mode} mode, {args.steps} steps on {device_type}")
-                    results.append((name, mode, run_once(args, work_dir, data_dir, name, config, micro, mode,
-                                                         device_type)))
+                    print(f"== {name}, micro-batch {micro}, {mode} mode, {args.steps} steps on {device_type}",
+                          flush=True)  # before the child's output
+                    results.append((name, mode, run_in_child(args, work_dir, index, mode, device_type)))
     print(f"== verdicts ({device_type}; figures: median of steps 2 to {args.steps})")
     for line in skipped:
         print(line)
+    return 0 if report(results, device_type, kind) else 1
+
+
+def report(results: list, device_type: str, kind: str) -> bool:
+    """Prints the verdicts of each run's result (run_in_child's); True when none fails."""
     ok = True
     for name, mode, result in results:
-        if result is None:
+        label = f"{name}, {mode}"
+        if isinstance(result, str):
+            print(result)
+            continue
+        if isinstance(result, int):
+            print(f"FAIL {label}: the run exited with status {result} (its error is above)")
+            ok = False
             continue
         sequences, mfu, measured, planned, loss = result
-        label = f"{name}, {mode}"
         ok &= verdict(f"{label}: finite loss", float(loss == loss and abs(loss) != float("inf")), (1, 1),
                       f"final loss {loss:.4f}")
         ok &= verdict(f"{label}: MFU", mfu, MFU_RANGE[kind], f"{sequences:.1f} sequences/s, MFU {mfu:.1%}")
         memory_range = MEMORY_RATIO_RANGE["cpu" if device_type == "cpu" else "accelerator"]
         ok &= verdict(f"{label}: peak memory / planned", measured / planned, memory_range,
                       f"measured {measured / 2**30:.2f} GiB, planned {planned / 2**30:.2f} GiB")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 mode (compile mode took 3.5 min there: inductor compiles on this CPU, and step 2 recompiled). And on a Gaudi
 (no device needed): which pass runs in which of Habana's modes."""
 
+import gc
 import importlib.util
+import os
 import subprocess
 import sys
 
 import pytest
 
 import helpers
+from modeling import BertForPreTraining
 
 
 @pytest.mark.slow
@@ -75,3 +78,48 @@ def test_a_mode_it_does_not_know_is_one_error_line_before_any_work(modes, tmp_pa
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "--modes takes eager, compile" in errors[0] and repr(modes) in errors[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def first_run_env(monkeypatch):
+    """This process's environment as launcher_env makes a child's: first_run's own children inherit it."""
+    for key, value in helpers.launcher_env().items():
+        monkeypatch.setenv(key, value)
+    for key in set(os.environ) - set(helpers.launcher_env()):
+        monkeypatch.delenv(key)
+
+
+def live_models() -> int:
+    gc.collect()
+    return sum(type(obj) is BertForPreTraining for obj in gc.get_objects())
+
+
+@pytest.mark.slow
+def test_each_run_is_a_process_of_its_own_and_leaves_no_model_behind(tmp_path, capfd, monkeypatch):
+    """The driver's DeepSpeed engine outlives run_pretraining.main: run in first_run's process, each run left its
+    model and optimizer states behind, which on a GPU or a Gaudi the next run's allocator peak counted (and on
+    which the full config could run out of memory). Each run now has its own process."""
+    first_run_env(monkeypatch)
+    before = live_models()
+    assert load_first_run().main(["--tiny", "--no_cuda", "--modes", "eager", "--steps", "2",
+                                  "--work_dir", str(tmp_path)]) == 0
+    verdicts = [line for line in capfd.readouterr().out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 3 and all(line.startswith("PASS") for line in verdicts)
+    assert live_models() == before
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_is_a_fail_verdict_and_the_next_runs_still_run(tmp_path, capfd, monkeypatch):
+    """A run that fails (here: no sample data in its work dir; on a GPU, say, out of memory) ends its own
+    process: its verdict is one FAIL line with the exit status, the driver's error line is above, and
+    first_run's verdicts go on."""
+    first_run_env(monkeypatch)
+    first_run = load_first_run()
+    args = first_run.parse_arguments(["--tiny", "--no_cuda", "--steps", "2", "--work_dir", str(tmp_path)])
+    status = first_run.run_in_child(args, tmp_path, 0, "eager", "cpu")
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert status == 1 and len(errors) == 1 and str(tmp_path / "data") in errors[0]
+    figures = (10.0, 0.5, 2**30, 2**30, 7.0)  # sequences/s, MFU, measured and planned bytes, loss
+    assert not first_run.report([("tiny", "eager", status), ("tiny", "compile", figures)], "cpu", "tiny")
+    lines = capfd.readouterr().out.splitlines()
+    assert lines[0] == "FAIL tiny, eager: the run exited with status 1 (its error is above)"
+    assert [line.split(":")[0] for line in lines[1:]] == ["PASS tiny, compile"] * 3
