@@ -123,3 +123,23 @@ def test_a_run_that_fails_is_a_fail_verdict_and_the_next_runs_still_run(tmp_path
     lines = capfd.readouterr().out.splitlines()
     assert lines[0] == "FAIL tiny, eager: the run exited with status 1 (its error is above)"
     assert [line.split(":")[0] for line in lines[1:]] == ["PASS tiny, compile"] * 3
+
+
+def test_each_verdict_states_its_expectation_in_the_units_of_its_figure(capsys):
+    """The MFU is printed in percent, so is its range (it was a fraction: 'MFU 9.0% (expected 0.2 to 1)');
+    the memory check prints the ratio it judges; the loss check expects a finite loss (it said '1 to 1')."""
+    gib = 2**30
+    results = [("a", "eager", (10.0, 0.09, 1.5 * gib, 1.25 * gib, float("nan"))),
+               ("b", "compile", (20.0, 0.5, 1.0 * gib, 1.25 * gib, 7.0))]
+    assert not load_first_run().report(results, "cuda", "accelerator")
+    assert capsys.readouterr().out.splitlines() == [
+        "FAIL a, eager: finite loss: final loss nan (expected a finite loss)",
+        "FAIL a, eager: MFU: 10.0 sequences/s, MFU 9.0% (expected 20% to 100%)",
+        "FAIL a, eager: peak memory / planned: measured 1.50 GiB, planned 1.25 GiB, ratio 1.20 "
+        "(expected 0.6 to 1.15)",
+        "PASS b, compile: finite loss: final loss 7.0000 (expected a finite loss)",
+        "PASS b, compile: MFU: 20.0 sequences/s, MFU 50.0% (expected 20% to 100%)",
+        "PASS b, compile: peak memory / planned: measured 1.00 GiB, planned 1.25 GiB, ratio 0.80 "
+        "(expected 0.6 to 1.15)"]
+    load_first_run().report([("tiny", "eager", (10.0, 0.09, gib, gib, 7.0))], "cpu", "tiny")
+    assert "MFU 9.0% (expected 0.0001% to 100%)" in capsys.readouterr().out
