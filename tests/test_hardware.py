@@ -11,6 +11,7 @@ from training import hardware
 
 
 @pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                         ("NVIDIA H100 NVL", None),  # not the SXM's 989: measured
                                          ("NVIDIA H200", None),  # no datasheet figure found to cite: measured
                                          ("NVIDIA A100-SXM4-80GB", 312.0), ("GAUDI", 60.0), ("GAUDI2", 432.0),
                                          ("Gaudi 3", 1835.0), ("Tesla V100-SXM2-32GB", None), ("cpu", None)])

@@ -22,6 +22,9 @@ DATASHEET_BF16_TFLOPS = (
     # NVIDIA H100 datasheet table, PCIe column (as reprinted at archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html):
     # 1513 TFLOPS BF16 with sparsity, 756 dense. Before "h100": the PCIe card's name, "NVIDIA H100 PCIe", contains it.
     ("h100pcie", 756.0),
+    # The H100 NVL (a PCIe card, name "NVIDIA H100 NVL") has its own, lower column in NVIDIA's datasheet, which
+    # we could not read to cite: its peak is measured, not the SXM's 989 that "h100" would give it.
+    ("h100nvl", None),
     ("h100", 989.0),     # NVIDIA H100 SXM datasheet: 1979 TFLOPS BF16 with sparsity, 989 dense
     ("a100", 312.0),     # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense (624 with sparsity)
 )  # No H200: we found no NVIDIA datasheet to cite for it (only third-party pages); it gets the measured peak.
@@ -42,7 +45,7 @@ def device_name(device: torch.device) -> str:
 
 
 def datasheet_tflops(name: str):
-    """The datasheet bf16 peak for a device name, or None."""
+    """The datasheet bf16 peak for a device name, or None (not in the table, or in it without a figure)."""
     lowered = name.lower().replace(" ", "")
     return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key in lowered), None)
 
