@@ -43,7 +43,8 @@ def read_curves(path) -> dict:
             if key in record.get("data", {}):
                 values[int(step[1])] = float(record["data"][key])
     if not by_step["average_loss"]:
-        raise PlotError(f"{path} holds no per-step average_loss record (is it run_pretraining.py's --json-summary?)")
+        raise PlotError(f"{path} holds no per-step average_loss record: a run of fewer steps than its --log_freq "
+                        "logs none, and a file other than run_pretraining.py's --json-summary has none")
     return {key: (sorted(values), [values[s] for s in sorted(values)]) for key, values in by_step.items() if values}
 
 
