@@ -15,7 +15,8 @@ two as the launchers do: lazy mode (1, or unset) the eager pass, 0 the compile p
 as SKIP with the command that runs it. For each run it prints
 - sequences/s and MFU: the median over the steps after the first (the first one warms up or compiles),
   from the driver's own per-step records; MFU is against the device's datasheet bf16 peak
-  (hardware.DATASHEET_BF16_TFLOPS), or on the CPU the peak the driver measures at start-up;
+  (hardware.DATASHEET_BF16_TFLOPS), or, on the CPU or a device without a datasheet figure there (an H200,
+  for one), the peak the driver measures at start-up: the verdict line says which, and the figure;
 - the peak of allocated tensor bytes of the run (hardware.PeakAllocated) against the memory planner's
   prediction (sizing.device_memory, which scripts/plan_memory.py prints); on the CPU that count comes from
   the torch profiler, which slows the run: there the sequences/s are not the driver's speed;
@@ -92,16 +93,28 @@ def driver_accepts(flag: str) -> bool:
     return any(flag in action.option_strings for action in run_pretraining.build_parser()._actions)
 
 
+def dllogger_records(json_summary: Path) -> list:
+    return [json.loads(line.split(" ", 1)[1]) for line in json_summary.read_text().splitlines()
+            if line.startswith("DLLL ")]
+
+
 def step_records(json_summary: Path) -> list:
     """The driver's per-step dllogger records (one per step with --log_freq 1), in order."""
     records = []
-    for line in json_summary.read_text().splitlines():
-        record = json.loads(line.split(" ", 1)[1]) if line.startswith("DLLL ") else {}
+    for record in dllogger_records(json_summary):
         data = record.get("data", {})
         if isinstance(record.get("step"), list) and len(record["step"]) == 2 and "average_perf_per_step" in data \
                 and "final_loss" not in data:
             records.append(data)
     return records
+
+
+def mfu_peak(json_summary: Path) -> tuple:
+    """(TFLOP/s, where it comes from) of the peak the driver's MFU is against: its PARAMETER record. The
+    source's first clause only: "datasheet bf16 peak of NVIDIA H100 80GB HBM3", "measured at start-up" (a
+    device without a datasheet figure, an H200 for one, or the CPU) or "--peak_tflops"."""
+    data = next(record["data"] for record in dllogger_records(json_summary) if "peak_tflops" in record.get("data", {}))
+    return data["peak_tflops"], data["peak_tflops_source"].split(":")[0]
 
 
 def run_directory(work_dir: Path, name: str, mode: str) -> Path:
@@ -144,8 +157,8 @@ def one_run(args, device_type: str) -> int:
 
 
 def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micro: int, mode: str, device_type: str):
-    """One driver run; returns (sequences/s, MFU, measured peak bytes, planned peak bytes, final loss), or a
-    SKIP line when the planner says it does not fit."""
+    """One driver run; returns (sequences/s, MFU, measured peak bytes, planned peak bytes, final loss, the MFU's
+    peak in TFLOP/s, where that peak comes from), or a SKIP line when the planner says it does not fit."""
     run_dir = run_directory(work_dir, name, mode)
     ds_config = run_dir / "ds.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +185,7 @@ def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micr
         raise
     later = step_records(run_dir / "dllogger.json")[1:]
     return (statistics.median(r["average_perf_per_step"] for r in later), statistics.median(r["mfu"] for r in later),
-            measured.bytes, planned, summary["final_loss"])
+            measured.bytes, planned, summary["final_loss"], *mfu_peak(run_dir / "dllogger.json"))
 
 
 def planned_modes(wanted: list, device_type: str, driver_compiles: bool, environ=os.environ) -> tuple:
@@ -239,11 +252,11 @@ def report(results: list, device_type: str, kind: str) -> bool:
             print(f"FAIL {label}: the run exited with status {result} (its error is above)")
             ok = False
             continue
-        sequences, mfu, measured, planned, loss = result
+        sequences, mfu, measured, planned, loss, peak, peak_source = result
         ok &= verdict(f"{label}: finite loss", math.isfinite(loss), f"final loss {loss:.4f}", "a finite loss")
         low, high = MFU_RANGE[kind]  # printed in percent, as the MFU is
-        ok &= verdict(f"{label}: MFU", low <= mfu <= high, f"{sequences:.1f} sequences/s, MFU {mfu:.1%}",
-                      f"{low * 100:.4g}% to {high * 100:.4g}%")
+        ok &= verdict(f"{label}: MFU", low <= mfu <= high, f"{sequences:.1f} sequences/s, MFU {mfu:.1%} of "
+                      f"{peak:.4g} TFLOP/s ({peak_source})", f"{low * 100:.4g}% to {high * 100:.4g}%")
         low, high = MEMORY_RATIO_RANGE["cpu" if device_type == "cpu" else "accelerator"]
         ratio = measured / planned
         ok &= verdict(f"{label}: peak memory / planned", low <= ratio <= high,

@@ -118,7 +118,8 @@ def test_a_run_that_fails_is_a_fail_verdict_and_the_next_runs_still_run(tmp_path
     status = first_run.run_in_child(args, tmp_path, 0, "eager", "cpu")
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
     assert status == 1 and len(errors) == 1 and str(tmp_path / "data") in errors[0]
-    figures = (10.0, 0.5, 2**30, 2**30, 7.0)  # sequences/s, MFU, measured and planned bytes, loss
+    figures = (10.0, 0.5, 2**30, 2**30, 7.0, 0.1, "measured at start-up")  # sequences/s, MFU, bytes measured
+    # and planned, loss, the MFU's peak and its source
     assert not first_run.report([("tiny", "eager", status), ("tiny", "compile", figures)], "cpu", "tiny")
     lines = capfd.readouterr().out.splitlines()
     assert lines[0] == "FAIL tiny, eager: the run exited with status 1 (its error is above)"
@@ -126,20 +127,35 @@ def test_a_run_that_fails_is_a_fail_verdict_and_the_next_runs_still_run(tmp_path
 
 
 def test_each_verdict_states_its_expectation_in_the_units_of_its_figure(capsys):
-    """The MFU is printed in percent, so is its range (it was a fraction: 'MFU 9.0% (expected 0.2 to 1)');
-    the memory check prints the ratio it judges; the loss check expects a finite loss (it said '1 to 1')."""
-    gib = 2**30
-    results = [("a", "eager", (10.0, 0.09, 1.5 * gib, 1.25 * gib, float("nan"))),
-               ("b", "compile", (20.0, 0.5, 1.0 * gib, 1.25 * gib, 7.0))]
+    """The MFU is printed in percent, so is its range (it was a fraction: 'MFU 9.0% (expected 0.2 to 1)'),
+    with the peak it is against and where that comes from (a datasheet or a measurement: an H200's is
+    measured); the memory check prints the ratio it judges; the loss check expects a finite loss (it said
+    '1 to 1')."""
+    gib, h100 = 2**30, (989.0, "datasheet bf16 peak of NVIDIA H100 80GB HBM3")
+    results = [("a", "eager", (10.0, 0.09, 1.5 * gib, 1.25 * gib, float("nan"), *h100)),
+               ("b", "compile", (20.0, 0.5, 1.0 * gib, 1.25 * gib, 7.0, 612.34, "measured at start-up"))]
     assert not load_first_run().report(results, "cuda", "accelerator")
     assert capsys.readouterr().out.splitlines() == [
         "FAIL a, eager: finite loss: final loss nan (expected a finite loss)",
-        "FAIL a, eager: MFU: 10.0 sequences/s, MFU 9.0% (expected 20% to 100%)",
+        "FAIL a, eager: MFU: 10.0 sequences/s, MFU 9.0% of 989 TFLOP/s (datasheet bf16 peak of NVIDIA H100 80GB "
+        "HBM3) (expected 20% to 100%)",
         "FAIL a, eager: peak memory / planned: measured 1.50 GiB, planned 1.25 GiB, ratio 1.20 "
         "(expected 0.6 to 1.15)",
         "PASS b, compile: finite loss: final loss 7.0000 (expected a finite loss)",
-        "PASS b, compile: MFU: 20.0 sequences/s, MFU 50.0% (expected 20% to 100%)",
+        "PASS b, compile: MFU: 20.0 sequences/s, MFU 50.0% of 612.3 TFLOP/s (measured at start-up) "
+        "(expected 20% to 100%)",
         "PASS b, compile: peak memory / planned: measured 1.00 GiB, planned 1.25 GiB, ratio 0.80 "
         "(expected 0.6 to 1.15)"]
-    load_first_run().report([("tiny", "eager", (10.0, 0.09, gib, gib, 7.0))], "cpu", "tiny")
-    assert "MFU 9.0% (expected 0.0001% to 100%)" in capsys.readouterr().out
+    load_first_run().report([("tiny", "eager", (10.0, 0.09, gib, gib, 7.0, 0.1, "measured at start-up"))], "cpu",
+                            "tiny")
+    assert "MFU 9.0% of 0.1 TFLOP/s (measured at start-up) (expected 0.0001% to 100%)" in capsys.readouterr().out
+
+
+def test_the_mfu_peak_and_its_source_come_from_the_drivers_log(tmp_path):
+    """The driver logs its MFU's peak as a PARAMETER record; the verdict takes the source's first clause."""
+    log = tmp_path / "dllogger.json"
+    log.write_text('DLLL {"type": "LOG", "step": "PARAMETER", "data": {"seed": 42}}\n'
+                   'DLLL {"type": "LOG", "step": "PARAMETER", "data": {"peak_tflops": 0.18, "peak_tflops_source": '
+                   '"measured at start-up: the fastest torch.bfloat16 x @ W^T of 1024x1600x6400 on cpu"}}\n'
+                   'DLLL {"type": "LOG", "step": [0, 1], "data": {"average_perf_per_step": 9.9, "mfu": 0.04}}\n')
+    assert load_first_run().mfu_peak(log) == (0.18, "measured at start-up")
