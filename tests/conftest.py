@@ -27,6 +27,22 @@ def pytest_configure(config):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    inductor_cache_per_cpu_capability()
+
+
+def inductor_cache_per_cpu_capability():
+    """Trap: ATEN_CPU_CAPABILITY (e.g. avx2 on an AVX-512 machine, to run the suite with an older CPU's
+    kernels) also sets inductor's vector width, but inductor's cache of compiled graphs does not tell the
+    widths apart: code generated for 16 floats per vector was built for 8 and crashed (SIGSEGV in
+    test_compile.py's fine-tuning test) or computed wrong updates (test_lans.py's compiled tests). Such a
+    session gets a cache of its own, one per capability, unless TORCHINDUCTOR_CACHE_DIR is set; the child
+    processes inherit it."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import getpass
+        import tempfile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability}")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,4 +1,5 @@
-"""The test harness itself (tests/conftest.py): a session stopped by SIGTERM still tears its fixtures down."""
+"""The test harness itself (tests/conftest.py): a session stopped by SIGTERM still tears its fixtures down; a session
+with another ATEN_CPU_CAPABILITY gets an inductor cache of its own."""
 
 import os
 import signal
@@ -54,3 +55,22 @@ def test_sigterm_to_the_session_still_tears_down_session_fixtures(tmp_path, work
             os.killpg(session.pid, signal.SIGKILL)
     assert (tmp_path / "torn_down").exists(), out
     assert session.returncode == pytest.ExitCode.INTERRUPTED, out
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, "torchinductor_{user}_avx2"),  # a cache of its own
+    ({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/mine"}, "/mine"),  # the user's choice wins
+    ({}, None)])  # inductor's default
+def test_a_session_with_another_cpu_capability_gets_its_own_inductor_cache(monkeypatch, environ, expected):
+    import getpass
+    import tempfile
+
+    import conftest
+    for key in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    conftest.inductor_cache_per_cpu_capability()
+    if expected and not expected.startswith("/"):
+        expected = os.path.join(tempfile.gettempdir(), expected.format(user=getpass.getuser()))
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == expected
