@@ -35,6 +35,7 @@ Interface, in the order an entry point's main() calls it:
 """
 
 import argparse
+import hashlib
 import importlib
 import math
 import os
@@ -472,7 +473,8 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
     if flags.torch_compile is not None:
         runtime.compile_model(engine, *flags.torch_compile)
-    step = resume(session, engine, model.config) if flags.resume else 0
+    setup = training_setup(plan, flags.seed, features)
+    step = resume(session, engine, model.config, setup) if flags.resume else 0
     session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                 + (f", resumed at step {step}" if step else ""))
     progress = make_progress_bar(session.progress_bar, total_steps, step)
@@ -490,11 +492,11 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
                 session.logger.log(step=(step * plan.global_batch // plan.num_examples, step),
                                    data={"step_loss": loss, "learning_rate": optimizer.param_groups[0]["lr"]})
             if stopped or (flags.num_steps_per_checkpoint and step % flags.num_steps_per_checkpoint == 0):
-                save(session, engine, step)
+                save(session, engine, step, setup)
     progress.close()
     train_time = time.perf_counter() - started
     if not flags.skip_checkpoint and not stopped and step > first_step:
-        save(session, engine, step)
+        save(session, engine, step, setup)
     if stopped:
         session.say(f"stop requested (SIGTERM/SIGINT): checkpoint {step} saved; --resume_from_checkpoint continues")
     return {"e2e_train_time": train_time,
@@ -532,24 +534,62 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / CHECKPOINT_SUBDIR
 
 
-def save(session: Session, engine, step: int) -> None:
-    """Collective. The optimizer, scheduler and RNG states come along, so a resume continues exactly."""
-    client_state = {"global_step": step, "model_config": engine.module.config.to_dict()}
+# What decides the samples of every step (Plan.micro_batch_indices) and where each is set.
+SETUP_FLAGS = {"micro_batch": "--train_batch_size, --gradient_accumulation_steps or the DeepSpeed JSON",
+               "accumulation_steps": "--gradient_accumulation_steps or the DeepSpeed JSON",
+               "examples": "the training file", "seed": "--seed",
+               "data_sha256": "the training file, --max_seq_length or the vocab"}
+# The LR schedule's saved state, and the flags that set it.
+SCHEDULE_FLAGS = {"total_steps": "--max_steps or --num_train_epochs", "warmup": "--warmup_proportion",
+                  "base_lrs": "--learning_rate"}
+
+
+def training_setup(plan: Plan, seed: int, features: dict) -> dict:
+    """What decides the samples of every step, saved in each checkpoint: a resume with other values would
+    take other samples from the step reached on."""
+    digest = hashlib.sha256()
+    for name in sorted(features):
+        digest.update(name.encode())
+        digest.update(features[name].contiguous().numpy())
+    return {"micro_batch": plan.micro, "accumulation_steps": plan.gas, "examples": plan.num_examples, "seed": seed,
+            "data_sha256": digest.hexdigest()}
+
+
+def save(session: Session, engine, step: int, setup: dict) -> None:
+    """Collective. The optimizer, scheduler and RNG states come along, and the training setup
+    (training_setup), so a resume continues exactly."""
+    client_state = {"global_step": step, "model_config": engine.module.config.to_dict(), "training_setup": setup}
     checkpointing.save_checkpoint(engine, checkpoint_dir(session.output_dir), str(step), client_state,
                                   {"rng": checkpointing.capture_rng_state()})
     session.say(f"saved checkpoint {step} in {checkpoint_dir(session.output_dir)}")
 
 
-def resume(session: Session, engine, config: BertConfig) -> int:
+def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
+    """The step of the newest checkpoint in <output_dir>/checkpoints, loaded into engine (0 without one). A
+    checkpoint of another training setup or LR schedule is refused: the run would go on with other samples,
+    or on the old schedule (whose LR is 0 past its last step). Checkpoints saved before the setup was
+    saved are checked for their schedule only."""
     directory = checkpoint_dir(session.output_dir)
     tag = checkpointing.find_resume_tag(directory, model_config=config.to_dict())
     if tag is None:
         session.say(f"no checkpoint in {directory}: starting from step 0")
         return 0
+    schedule = engine.lr_scheduler.state_dict()
     client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank, session.world)
     if rank_state is None:  # resuming fine-tuning on another world size is untested: keep refusing it
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {directory} was written by another number of "
                                             f"ranks than this run's {session.world}; resume fine-tuning on that number")
+    saved_schedule = engine.lr_scheduler.state_dict()
+    differences = [(key, saved, setup[key], flag) for key, flag in SETUP_FLAGS.items()
+                   if (saved := client.get("training_setup", setup)[key]) != setup[key]]
+    differences += [(key, saved_schedule[key], schedule[key], flag) for key, flag in SCHEDULE_FLAGS.items()
+                    if saved_schedule[key] != schedule[key]]
+    if differences:
+        key, then, now, flag = differences[0]
+        then, now = (then[0], now[0]) if key == "base_lrs" else (then, now)
+        raise InputError(f"checkpoint {tag} in {directory} was saved with another training setup: {key} {then!r} "
+                         f"then, {now!r} now (set by {flag}); resume with the same data and flags, or start in "
+                         f"another --output_dir")
     checkpointing.restore_rng_state(rank_state["rng"])
     return int(client["global_step"])
 

@@ -292,6 +292,41 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
     assert [(r["step"], r["data"]) for r in resumed_steps] == [(r["step"], r["data"]) for r in straight_steps]
 
 
+def test_a_resume_with_another_training_setup_is_one_error_line(tmp_path, capsys):
+    """A checkpoint of 3 steps; a resume that would take other samples from there (another seed, batch or
+    training file) or follow another LR schedule (more steps, another LR) is refused, naming the value then
+    and now and the flag; the same flags resume (and find nothing left to train). A checkpoint saved without
+    the setup (before it was saved) still resumes."""
+    data = write_sst2_rule_task(tmp_path / "data", 96, 32)
+    other_data = write_sst2_rule_task(tmp_path / "other_data", 96, 32)
+    lines = (other_data / "train.tsv").read_text().splitlines()
+    lines[1] = lines[1].rsplit("\t", 1)[0] + ("\t0" if lines[1].endswith("\t1") else "\t1")  # one label flipped
+    (other_data / "train.tsv").write_text("\n".join(lines) + "\n")
+    common = dict(config_file=TINY_CONFIG, max_steps=3, do_eval=False, max_seq_length=32)
+    run_glue.main(glue_argv(data, tmp_path / "out", **common))
+    capsys.readouterr()
+    refusals = [({"seed": 7}, "seed 42 then, 7 now (set by --seed)"),
+                ({"train_batch_size": 8}, "micro_batch 16 then, 8 now (set by --train_batch_size"),
+                ({"data_dir": other_data}, "data_sha256 '"),
+                ({"max_steps": 6}, "total_steps 3 then, 6 now (set by --max_steps or --num_train_epochs)"),
+                ({"learning_rate": 1e-3}, "base_lrs 0.0005 then, 0.001 now (set by --learning_rate)")]
+    for changed, expected in refusals:
+        flags = {**common, **changed}
+        argv = glue_argv(flags.pop("data_dir", data), tmp_path / "out", resume_from_checkpoint=True, **flags)
+        assert run_glue.cli(argv) == 1, changed
+        line = one_error_line(capsys)
+        assert line.startswith(f"error: checkpoint 3 in {tmp_path / 'out' / 'checkpoints'} was saved with another "
+                               "training setup: ") and expected in line, (changed, line)
+    assert run_glue.main(glue_argv(data, tmp_path / "out", resume_from_checkpoint=True, **common))["global_step"] == 3
+    # An older checkpoint: the setup's key left out of the manifest, which lists the keys a resume reads.
+    manifest_path = tmp_path / "out" / "checkpoints" / "3" / checkpointing.MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["client_state_keys"].remove("training_setup")
+    manifest_path.write_text(json.dumps(manifest))
+    argv = glue_argv(data, tmp_path / "out", resume_from_checkpoint=True, **{**common, "seed": 7})
+    assert run_glue.main(argv)["global_step"] == 3
+
+
 # ============================================================================ 2 ranks == 1 rank
 
 @pytest.mark.slow
