@@ -2,9 +2,11 @@
 # Source this file: it creates (once) or reuses the project's virtual environment and activates it.
 #   VENV          where the environment lives (default: <repo>/.venv)
 #   WITH_DEV=1    also install the test dependencies (requirements-dev.txt)
+#   PYTHON_BIN    the interpreter that creates the environment (default: python3)
 # It also installs the project itself in editable mode (pip install -e ., see pyproject.toml).
 # torch is installed in the same pip call as deepspeed so that deepspeed's unpinned torch requirement is
-# satisfied by the pinned CPU build instead of pulling a CUDA build.
+# satisfied by the pinned torch instead of pulling another version. Which build that is depends on pip's
+# indexes: on Linux, PyPI's is the CUDA build (see the README's Quick start for the CPU build).
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$repo_root/.venv}"
 PYTHON_BIN="${PYTHON_BIN:-python3}"
