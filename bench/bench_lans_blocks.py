@@ -14,6 +14,7 @@ Asserts nothing. Export OMP_NUM_THREADS=1 (torchrun does) on a 2-core machine.
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -56,6 +57,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
 
+    # The CPU, as the batches are and gloo is, also on a GPU server: there DeepSpeed would pick CUDA by itself
+    # and put the model on cuda:LOCAL_RANK.
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import deepspeed.ops
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
