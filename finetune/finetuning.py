@@ -364,10 +364,11 @@ def _check_fit(model, config: BertConfig, weights: dict, *, fine_tune: bool) -> 
     missing = sorted(key for key in encoder if key not in weights)
     unknown = sorted(key for key in weights if key.startswith("bert.") and key not in own)
     wrong = sorted(key for key in own if key in weights and weights[key].shape != own[key].shape)
-    if wrong:
+    if wrong:  # the encoder's tensors only: the head is the task's
+        misfit = runtime.describe_misfit({key: own[key] for key in encoder},
+                                         {key: value for key, value in weights.items() if key.startswith("bert.")})
         raise InputError(f"--init_checkpoint does not fit the model config (hidden {config.hidden_size}, "
-                         f"{config.num_hidden_layers} layers): other shape {wrong[:3]}, missing keys {missing[:3]}, "
-                         f"unexpected keys {unknown[:3]}")
+                         f"{config.num_hidden_layers} layers): {misfit}")
     if missing or unknown:
         raise InputError(f"--init_checkpoint does not hold this model's encoder: missing keys {missing[:3]}"
                          f"{f' (of {len(missing)})' if len(missing) > 3 else ''}, unexpected keys {unknown[:3]}"

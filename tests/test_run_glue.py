@@ -77,11 +77,18 @@ def test_a_label_outside_the_set_is_one_error(tmp_path, capsys):
 def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
     data = write_sst2_rule_task(tmp_path / "data", 40, 10)
     other = BertConfig.from_dict(dict(json.loads(TINY_CONFIG.read_text()), hidden_size=64))
-    from modeling import BertForPreTraining
+    from modeling import BertForPreTraining, BertForSequenceClassification
     torch.save(BertForPreTraining(other).state_dict(), tmp_path / "other.pt")
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
                                   init_checkpoint=tmp_path / "other.pt")) == 1
-    assert one_error_line(capsys).startswith("error: --init_checkpoint does not fit the model config (hidden 128")
+    # The encoder's tensors of another shape, counted here over the two state dicts; the first in the model's order.
+    own = BertForSequenceClassification(BertConfig.from_json_file(TINY_CONFIG), 2).state_dict()
+    saved = BertForPreTraining(other).state_dict()
+    reshaped = sum(saved[key].shape != own[key].shape for key in own if key.startswith("bert.") and key in saved)
+    assert one_error_line(capsys) == (
+        "error: --init_checkpoint does not fit the model config (hidden 128, 2 layers): the checkpoint has hidden "
+        f"64, 2 layers, 30528 vocabulary rows; {reshaped} tensors of another shape (first "
+        "bert.embeddings.word_embeddings.weight: [30528, 64] in the checkpoint, [30528, 128] in the model)")
     assert not (tmp_path / "out").exists()  # refused before the output directory and dllogger.json are made
     hf_interop.export_directory(BertForPreTraining(other).state_dict(), other, VOCAB, True, tmp_path / "hf")
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
