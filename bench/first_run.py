@@ -26,6 +26,7 @@ Gaudi. A run the planner says does not fit the device is reported as SKIP. Exit 
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -222,6 +223,10 @@ def main(argv=None) -> int:
     if args.one_run:
         return one_run(args, device_type)
     modes, skipped = planned_modes(args.modes.split(","), device_type, driver_accepts("--enable_torch_compile"))
+    if modes and args.use_hpu and importlib.util.find_spec("habana_frameworks") is None:  # finds, imports nothing
+        print("first_run.py: error: --use_hpu needs Habana's PyTorch bridge (habana_frameworks), which this "
+              "Python cannot import: run it in the Gaudi software's environment", file=sys.stderr)
+        return 2
     results = []
     if modes:
         with tempfile.TemporaryDirectory() as scratch:

@@ -159,3 +159,15 @@ def test_the_mfu_peak_and_its_source_come_from_the_drivers_log(tmp_path):
                    '"measured at start-up: the fastest torch.bfloat16 x @ W^T of 1024x1600x6400 on cpu"}}\n'
                    'DLLL {"type": "LOG", "step": [0, 1], "data": {"average_perf_per_step": 9.9, "mfu": 0.04}}\n')
     assert load_first_run().mfu_peak(log) == (0.18, "measured at start-up")
+
+
+def test_use_hpu_without_habanas_bridge_is_one_error_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """This environment has no habana_frameworks: --use_hpu built the sample data, then every run failed in
+    its own process with the same ModuleNotFoundError traceback."""
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    assert load_first_run().main(["--use_hpu", "--modes", "eager", "--work_dir", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith("first_run.py: error: --use_hpu needs Habana's PyTorch bridge (habana_frameworks)")
+    assert list(tmp_path.iterdir()) == []
+    assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
