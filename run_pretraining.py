@@ -390,6 +390,10 @@ class TrainState:
     skipped_shards: list = field(default_factory=list)
     bad_steps: int = 0              # steps skipped for a non-finite loss, in total
     bad_steps_in_a_row: int = 0     # the current streak of those: a resume continues it (--max_bad_steps)
+    # This rank's losses in the log window open at the save ({"local_losses", "all_rank_losses"}), kept in its
+    # rank state (they differ between ranks): the first record after a resume averages the steps the
+    # uninterrupted run's does. Empty for a fresh run, a resume on another world size or an older checkpoint.
+    open_window: dict = field(default_factory=dict)
 
 
 def checkpoint_tag(state: TrainState, phase1_end_step: int) -> str:
@@ -451,6 +455,7 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
         runtime.seed_everything(seed + rank + world * state.global_step)
     else:
         checkpointing.restore_rng_state(rank_state["rng"])
+        state.open_window = rank_state.get("log_window", {})
     if phase2 and state.phase == 1:
         if state.global_step != phase1_end_step:
             raise InputError(f"checkpoint {tag} is at step {state.global_step}, "
@@ -504,7 +509,7 @@ def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer, fr
     engine.global_steps = engine.global_samples = engine.skipped_steps = 0
 
 
-def save(run: "Run", state: TrainState) -> str:
+def save(run: "Run", state: TrainState, window: "LogWindow") -> str:
     """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's). With an
     s3:// --output_dir, the copy of the previous checkpoint is waited for, and this one's started."""
     tag = checkpoint_tag(state, run.phase1_end_step)
@@ -515,8 +520,9 @@ def save(run: "Run", state: TrainState) -> str:
                     "bad_steps_in_a_row": state.bad_steps_in_a_row, "data_layout": run.data_layout}
     if run.copies is not None:
         run.copies.finish(run.device)
+    log_window_losses = {"local_losses": list(window.local_losses), "all_rank_losses": list(window.all_rank_losses)}
     checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,
-                                  {"rng": checkpointing.capture_rng_state()})
+                                  {"rng": checkpointing.capture_rng_state(), "log_window": log_window_losses})
     if run.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
         checkpointing.prune_checkpoints(run.checkpoint_dir, run.keep_last_n_checkpoints)
     if run.copies is not None:
@@ -699,6 +705,8 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     say, every, clock = run.say, run.checkpoint_every, run.clock
     progress = make_progress_bar(state, run.max_steps, run.progress_bar)
     window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
+    window.local_losses = list(state.open_window.get("local_losses", []))
+    window.all_rank_losses = list(state.open_window.get("all_rank_losses", []))
     while state.global_step < run.max_steps and steps_done < run.steps_this_run:
         # ---------------------------------------------------------------- step
         step_started = clock()
@@ -724,11 +732,11 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
             log_window(run, state, window)
             window, last_window = LogWindow(clock()), window
         if every is not None and steps_done % every == 0:
-            last_saved = save(run, state)
+            last_saved = save(run, state, window)
         # ---------------------------------------------------------------- stop early
         if state.bad_steps_in_a_row >= run.max_bad_steps:
             if every is not None and last_saved != checkpoint_tag(state, run.phase1_end_step):
-                save(run, state)
+                save(run, state, window)
             raise TrainingStopped(f"{state.bad_steps_in_a_row} consecutive steps had a non-finite loss "
                                   f"(--max_bad_steps {run.max_bad_steps}); stopped at step {state.global_step}")
         if result.stop_requested:
@@ -739,7 +747,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     ended = clock()
     final = log_window(run, state, window if window.steps else last_window, final=True)
     if every is not None and steps_done and last_saved != checkpoint_tag(state, run.phase1_end_step):
-        save(run, state)
+        save(run, state, window)
     return {**final, "ended": ended, "steps_done": steps_done,
             "stopped_by_signal": bool(steps_done and result.stop_requested)}
 

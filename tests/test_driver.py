@@ -233,6 +233,23 @@ def test_resume_continues_at_the_next_sample(tmp_path, tiny_shards):
     assert state["samples_consumed"] == 3 * 16 and state["epoch"] == 0
 
 
+def test_a_resume_inside_a_log_window_logs_the_averages_of_the_whole_run(tmp_path, tiny_shards):
+    """--log_freq 4: stopped after step 3 and resumed, the record of step 4 averages steps 1-4, as the whole
+    run's does (the window's losses are in the checkpoint), and so does step 8's (a window of the resumed run
+    alone). The expected averages are the means of a --log_freq 1 run's per-step losses."""
+    common = dict(max_steps=8)
+    run(tmp_path / "each", tiny_shards, log_freq=1, skip_checkpoint=True, **common)
+    each = [r["data"]["average_loss"] for r in helpers.step_records(tmp_path / "each" / "dllogger.json")]
+    run(tmp_path / "split", tiny_shards, log_freq=4, steps_this_run=3, **common)
+    run(tmp_path / "split", tiny_shards, log_freq=4, resume_from_checkpoint=True, **common)
+    logged = {r["step"][1]: r["data"] for r in helpers.step_records(tmp_path / "split" / "dllogger.json")}
+    assert sorted(logged) == [4, 8]
+    for step in (4, 8):
+        expected = sum(each[step - 4:step]) / 4
+        assert logged[step]["average_loss"] == pytest.approx(expected, rel=1e-6), step
+        assert logged[step]["all_ranks_average_loss"] == pytest.approx(expected, rel=1e-6), step
+
+
 @pytest.mark.parametrize("changed,field", [({"data_memory_budget_mb": 0.02}, "window_size 313592 then, 24 now"),
                                            ({"seed": 7}, "seed 42 then, 7 now"),
                                            ({"disable_random_sampler": True}, "shuffle True then, False now")])
