@@ -173,6 +173,9 @@ def main():
     parser.add_argument("--driver_only", action="store_true", help="time the driver only (no plain loop)")
     parser.add_argument("--compile", action="store_true", help="also time the driver with --enable_torch_compile")
     args = parser.parse_args()
+    # Both sides run on the CPU (the driver with --no_cuda), also on a GPU server; DeepSpeed picks its
+    # accelerator at its first import, which engine_phase_timers makes before the driver can choose it.
+    os.environ["DS_ACCELERATOR"] = "cpu"
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     arrays = synthetic_arrays(args.micro * args.gas * args.steps, args.seq_len, args.max_pred, 30522)

@@ -1,7 +1,10 @@
-"""bench/bench_driver.py: a timed driver run leaves nothing of its engine behind in the benchmark's process."""
+"""bench/bench_driver.py: a timed driver run leaves nothing of its engine behind in the benchmark's process; the
+benchmark runs on the CPU, as it says, also where DeepSpeed would pick CUDA."""
 
 import gc
 import importlib.util
+import subprocess
+import sys
 import types
 
 import pytest
@@ -39,3 +42,16 @@ def test_a_timed_driver_run_leaves_no_model_behind(tmp_path, monkeypatch):
     assert steps_per_second > 0 and summary["global_step"] == 2 and set(breakdown) == {"forward", "backward",
                                                                                         "step", "rest"}
     assert live_models() == before
+
+
+@pytest.mark.slow
+def test_it_runs_on_the_cpu_where_deepspeed_would_pick_cuda():
+    """DS_ACCELERATOR=cuda stands for a GPU server, where DeepSpeed picks CUDA at its first import, which the
+    phase timers made before the driver (--no_cuda) could choose the CPU: the driver failed (here in
+    torch.cuda.set_device; on a GPU its engine would have been on the GPU, the plain loop on the CPU)."""
+    result = subprocess.run([sys.executable, str(helpers.REPO_ROOT / "bench" / "bench_driver.py"), "--steps", "2",
+                             "--repeats", "1", "--micro", "4", "--driver_only"],
+                            env=helpers.launcher_env(DS_ACCELERATOR="cuda"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "driver, steps after the first:" in result.stdout
