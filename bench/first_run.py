@@ -63,7 +63,7 @@ RESULT_FILE = "first_run_result.json"  # in each run's directory: what the run's
 
 
 def parse_arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="first_run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--use_hpu", action="store_true", help="Run on a Gaudi (as run_pretraining.py).")
     parser.add_argument("--no_cuda", action="store_true", help="Run on the CPU even if CUDA is available.")
     parser.add_argument("--tiny", action="store_true", help="The tiny config only (CI, on the CPU).")
@@ -77,6 +77,8 @@ def parse_arguments(argv=None):
     unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
     if unknown:
         parser.error(f"--modes takes {', '.join(MODES)} or both, comma-separated; got {args.modes!r}")
+    if args.work_dir and Path(args.work_dir).exists() and not Path(args.work_dir).is_dir():
+        parser.error(f"--work_dir {args.work_dir} exists and is not a directory")
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step is left out of the figures), got {args.steps}")
     return args
@@ -231,8 +233,13 @@ def main(argv=None) -> int:
     if modes:
         with tempfile.TemporaryDirectory() as scratch:
             work_dir = Path(args.work_dir or scratch)
-            print(f"== building the sample data in {work_dir / 'data'}")
-            build_sample_data(work_dir)
+            print(f"== building the sample data in {work_dir / 'data'}", flush=True)  # before the builder's output
+            try:
+                build_sample_data(work_dir)
+            except subprocess.CalledProcessError as err:
+                print(f"first_run.py: error: building the sample data failed: data/create_datasets_from_start.sh "
+                      f"sample exited with status {err.returncode} (its error is above)", file=sys.stderr)
+                return 1
             for index, (name, _, accelerator_micro, cpu_micro) in enumerate(runs):
                 micro = cpu_micro if device_type == "cpu" else accelerator_micro
                 for mode in modes:

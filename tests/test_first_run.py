@@ -171,3 +171,27 @@ def test_use_hpu_without_habanas_bridge_is_one_error_line_before_any_work(tmp_pa
     assert captured.err.startswith("first_run.py: error: --use_hpu needs Habana's PyTorch bridge (habana_frameworks)")
     assert list(tmp_path.iterdir()) == []
     assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
+
+
+def test_a_work_dir_that_is_a_file_is_one_error_line_before_any_work(tmp_path, capsys):
+    in_the_way = tmp_path / "a_file"
+    in_the_way.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        load_first_run().main(["--no_cuda", "--work_dir", str(in_the_way)])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"first_run.py: error: --work_dir {in_the_way} exists and is not a directory"]
+
+
+def test_a_failed_data_build_is_one_error_line_after_the_builders_own(tmp_path, capsys, monkeypatch):
+    """The builder prints its own error (bert_prep.py's, say); first_run then ended with a CalledProcessError
+    traceback. A stand-in builder that fails with status 3."""
+    first_run = load_first_run()
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    (tmp_path / "repo" / "data" / "create_datasets_from_start.sh").write_text("echo 'builder: error: no disk' >&2\n"
+                                                                              "exit 3\n")
+    monkeypatch.setattr(first_run, "REPO_ROOT", tmp_path / "repo")
+    assert first_run.main(["--tiny", "--no_cuda", "--modes", "eager", "--work_dir", str(tmp_path / "work")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == ("first_run.py: error: building the sample data failed: "
+                                                        "data/create_datasets_from_start.sh sample exited with status "
+                                                        "3 (its error is above)")
