@@ -1,7 +1,9 @@
 """The README's main command, scripts/run_bert_tiny_cpu.sh, end to end: the offline data pipeline on the
 committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher (ZeRO-1, bf16, LANS).
-The demo is deterministic, so its losses must be the ones the documentation quotes."""
+The demo is deterministic on a given CPU, so its losses must be the ones the documentation quotes wherever
+the CPU's bf16 kernels are those of the machine that measured them (kernel_fingerprint)."""
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,10 @@ RESULTS = REPO / "docs" / "results.md"
 QUOTED_ROWS = {"first": "demo loss, mean of steps 1–10", "last": "demo loss, mean of steps 111–120",
                "final": "demo `final_loss`, mean over both ranks"}
 UNIFORM_GUESS = re.compile(r"ln\(30522\) \+ ln\(2\) = (\d+\.\d+)")
+FINGERPRINT_ROW = "bf16 kernel fingerprint of the machine that measured the demo losses"
+# On other bf16 kernels the first window may differ by their rounding alone (measured: 4e-5, docs/results.md),
+# within the quoted figure's rounding (5e-4) and as much again.
+FIRST_WINDOW_TOLERANCE = 1e-3
 
 
 def quoted_figures(text: str) -> dict:
@@ -49,11 +56,65 @@ def test_results_file_quotes_the_demo_figures():
     figures = quoted_figures(text)
     assert stale_figures({key: float(value) for key, value in figures.items()}, figures) == []
     assert len(stale_figures({key: float(value) + 0.001 for key, value in figures.items()}, figures)) == 3
+    # The demo's losses on a CPU without bf16 instructions (docs/results.md): stale against the quoted figures
+    # on the kernels that measured them, consistent with them on other kernels; a first window that moved is not.
+    ours, other = quoted_fingerprint(text), "0" * 16
+    without_bf16 = {"first": 10.847168159484863, "last": 7.285353422164917, "final": 7.227994394302368}
+    assert demo_figure_problems({key: float(value) for key, value in figures.items()}, text, ours) == []
+    assert len(demo_figure_problems(without_bf16, text, ours)) == 2
+    assert demo_figure_problems(without_bf16, text, other) == []
+    assert len(demo_figure_problems(dict(without_bf16, first=float(figures["first"]) + 0.002), text, other)) == 1
     # Negative control: a second row with the same label, or a value that is not a figure, is refused.
     row = next(line for line in text.splitlines() if line.startswith(f"| {QUOTED_ROWS['last']} |"))
     for broken in (text + row + "\n", text.replace(row, row.replace("7.", "seven ", 1))):
         with pytest.raises(AssertionError):
             quoted_figures(broken)
+
+
+def kernel_fingerprint() -> str:
+    """A digest of bf16 results on one thread (as each demo rank runs): products with the demo's inner
+    dimensions (hidden 128, intermediate 512, and longer sums, as in the weight gradients), then softmax,
+    GELU and layer norm. Another CPU's kernels (no bf16 instructions, AMX, another ISA) round some of them
+    differently, and the demo's losses then follow another trajectory (docs/results.md): equal digests, the
+    same kernels as the machine that measured the quoted losses."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        results = []
+        for m, k, n in ((4096, 128, 512), (4096, 512, 128), (128, 4096, 512), (640, 128, 30522)):
+            inputs = torch.randn(m, k, generator=generator).bfloat16()
+            weight = torch.randn(n, k, generator=generator).bfloat16()
+            results.append(torch.nn.functional.linear(inputs, weight))
+        last = results[-1]
+        results += [torch.softmax(last, -1), torch.nn.functional.gelu(last),
+                    torch.nn.functional.layer_norm(last, last.shape[-1:])]
+        return hashlib.sha256(b"".join(result.float().numpy().tobytes() for result in results)).hexdigest()[:16]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def quoted_fingerprint(text: str) -> str:
+    rows = [line for line in text.splitlines() if line.startswith(f"| {FINGERPRINT_ROW}")]
+    assert len(rows) == 1, f"{RESULTS}: {len(rows)} rows '{FINGERPRINT_ROW}'"
+    value = rows[0].split("|")[2].strip()
+    assert re.fullmatch(r"[0-9a-f]{16}", value), rows[0]
+    return value
+
+
+def demo_figure_problems(measured: dict, text: str, fingerprint: str) -> list:
+    """What the measured losses contradict in the results file: on the kernels that measured the quoted
+    figures, every figure that the run does not reproduce (a stale figure); on other kernels, only a first
+    window further than FIRST_WINDOW_TOLERANCE from the quoted one (the later windows part: 0.145 apart at
+    steps 71-80 without bf16 instructions)."""
+    quotes = quoted_figures(text)
+    if fingerprint == quoted_fingerprint(text):
+        return stale_figures(measured, quotes)
+    if abs(measured["first"] - float(quotes["first"])) > FIRST_WINDOW_TOLERANCE:
+        return [f"first: quoted {quotes['first']}, measured {measured['first']:.6f} (other bf16 kernels: within "
+                f"{FIRST_WINDOW_TOLERANCE})"]
+    return []
 
 
 def stale_figures(measured: dict, quotes: dict) -> list:
@@ -121,9 +182,15 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     windows = [r["data"]["average_loss"] for r in records if r["type"] == "LOG" and "average_loss" in r["data"]]
     summary = [r["data"] for r in records if r["type"] == "LOG" and r["step"] == []][-1]
     assert len(windows) == 12 and summary["global_step"] == 120
-    # The losses the documentation quotes are this run's (a stale figure fails here).
+    # The losses the documentation quotes are this run's (a stale figure fails here), on the bf16 kernels that
+    # measured them; another CPU's kernels give other losses, and only the first window is compared there.
     measured = {"first": windows[0], "last": windows[-1], "final": summary["final_loss"]}
-    assert stale_figures(measured, quoted_figures(RESULTS.read_text())) == []
+    fingerprint = kernel_fingerprint()
+    assert demo_figure_problems(measured, RESULTS.read_text(), fingerprint) == []
+    if fingerprint != quoted_fingerprint(RESULTS.read_text()):
+        warnings.warn(f"only the demo's first window was compared with the quoted losses: this CPU's bf16 kernels "
+                      f"(fingerprint {fingerprint}) are not those that measured them; this run: {measured}",
+                      stacklevel=1)
     # The loss of a uniform guess (MLM + next sentence), as the demo prints it and the documentation quotes it.
     uniform = f"{math.log(30522) + math.log(2):.3f}"
     assert UNIFORM_GUESS.search(run.stdout).group(1) == quoted_uniform_guess(RESULTS.read_text()) == uniform
