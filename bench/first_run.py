@@ -4,7 +4,7 @@ or GPU machine, from the repository root, in the project's environment:
     python bench/first_run.py --use_hpu      # a Gaudi, lazy mode: the eager pass
     PT_HPU_LAZY_MODE=0 python bench/first_run.py --use_hpu   # a Gaudi, compile mode: the compile pass
     python bench/first_run.py                # an NVIDIA GPU (or, without one, the CPU)
-    python bench/first_run.py --tiny         # the tiny config on the CPU, in a minute (what CI runs)
+    python bench/first_run.py --tiny --no_cuda --modes eager   # the tiny config on the CPU (what CI runs)
 
 It builds the sample data (data/create_datasets_from_start.sh sample, phase 1: seq 128, 20 predictions),
 then runs the real driver (run_pretraining.py's main, one device, bf16, ZeRO-1, LANS) for --steps steps at
@@ -66,7 +66,7 @@ def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(prog="first_run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--use_hpu", action="store_true", help="Run on a Gaudi (as run_pretraining.py).")
     parser.add_argument("--no_cuda", action="store_true", help="Run on the CPU even if CUDA is available.")
-    parser.add_argument("--tiny", action="store_true", help="The tiny config only (CI, on the CPU).")
+    parser.add_argument("--tiny", action="store_true", help="The tiny config only (CI, with --no_cuda).")
     parser.add_argument("--modes", default="eager,compile", help="eager, compile or both (compile only where the "
                         "driver has --enable_torch_compile).")
     parser.add_argument("--steps", type=int, default=5, help="Optimizer steps per run (at least 2).")
