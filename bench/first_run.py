@@ -55,6 +55,10 @@ TINY_RUNS = (("tiny", REPO_ROOT / "scripts" / "bert_tiny_config.json", 8, 8),)
 # expect at least a fifth of the datasheet peak; the CPU's peak is measured on the model's own shapes.
 # The tiny model's products are too small for any MFU figure to mean much: only that it is positive.
 MFU_RANGE = {"accelerator": (0.20, 1.0), "cpu": (0.10, 1.0), "tiny": (1e-6, 1.0)}
+# The 2-layer run's step is small on an accelerator (about 1.8 TFLOP at micro-batch 32, under 2 ms of an H100's
+# datasheet peak), so LANS's memory-bound update and the per-step overheads weigh as much as its products:
+# its floor only catches a run far off (the CPU, or fp32 products, stay under it).
+ACCELERATOR_MFU_RANGE_BY_RUN = {"BERT-1.5B widths, 2 layers": (0.05, 1.0)}
 # Measured peak / planned peak: tests/test_sizing.py holds the planner to 15 % on the CPU; on an accelerator
 # fused attention may keep less than the planned S x S probabilities.
 MEMORY_RATIO_RANGE = {"accelerator": (0.6, 1.15), "cpu": (0.85, 1.15)}
@@ -266,7 +270,8 @@ def report(results: list, device_type: str, kind: str) -> bool:
             continue
         sequences, mfu, measured, planned, loss, peak, peak_source = result
         ok &= verdict(f"{label}: finite loss", math.isfinite(loss), f"final loss {loss:.4f}", "a finite loss")
-        low, high = MFU_RANGE[kind]  # printed in percent, as the MFU is
+        low, high = (ACCELERATOR_MFU_RANGE_BY_RUN.get(name, MFU_RANGE[kind]) if kind == "accelerator"
+                     else MFU_RANGE[kind])  # printed in percent, as the MFU is
         ok &= verdict(f"{label}: MFU", low <= mfu <= high, f"{sequences:.1f} sequences/s, MFU {mfu:.1%} of "
                       f"{peak:.4g} TFLOP/s ({peak_source})", f"{low * 100:.4g}% to {high * 100:.4g}%")
         low, high = MEMORY_RATIO_RANGE["cpu" if device_type == "cpu" else "accelerator"]

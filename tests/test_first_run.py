@@ -144,6 +144,22 @@ def test_each_verdict_states_its_expectation_in_the_units_of_its_figure(capsys):
     assert "MFU 9.0% of 0.1 TFLOP/s (measured at start-up) (expected 0.0001% to 100%)" in capsys.readouterr().out
 
 
+def test_the_two_layer_run_has_a_lower_mfu_floor_on_an_accelerator(capsys):
+    """The 2-layer run's small step (about 1.8 TFLOP) is not held to the full config's 20%: at 9% of an H100's
+    peak it passes, the full config fails; both fail at 3%, under the floor of a run far off."""
+    first_run = load_first_run()
+    [two_layers], [full] = (run[:1] for run in first_run.FULL_RUNS)
+    peak, source = 989.0, "datasheet bf16 peak of NVIDIA H100 80GB HBM3"
+
+    def mfu_verdicts(mfu):
+        results = [(name, "eager", (10.0, mfu, 2**30, 2**30, 7.0, peak, source)) for name in (two_layers, full)]
+        first_run.report(results, "cuda", "accelerator")
+        return [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": MFU:" in line]
+
+    assert mfu_verdicts(0.09) == [f"PASS {two_layers}, eager", f"FAIL {full}, eager"]
+    assert mfu_verdicts(0.03) == [f"FAIL {two_layers}, eager", f"FAIL {full}, eager"]
+
+
 def test_the_mfu_peak_and_its_source_come_from_the_drivers_log(tmp_path):
     """The driver logs its MFU's peak as a PARAMETER record; the verdict takes the source's first clause."""
     log = tmp_path / "dllogger.json"
