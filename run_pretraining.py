@@ -820,67 +820,73 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                      lans_blocks=args.lans_blocks,
                                      torch_compile=((args.torch_compile_backend, args.torch_compile_mode)
                                                     if args.enable_torch_compile else None))
-    window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
-    data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)
-    checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
-    resume_tag = str(args.resume_step) if args.resume_step >= 0 else None
-    if copies is not None:
-        copies.prepare(device, args.resume_from_checkpoint, resume_tag, say=say)
-    state = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
-                          resume=args.resume_from_checkpoint, resume_tag=resume_tag, phase2=args.phase2,
-                          phase1_end_step=args.phase1_end_step, seed=args.seed, output_dir=args.output_dir)
-    if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
-        return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger, say,
-                                clock() - started)
-    if stop_requested_on_any_rank(stop_event, device):  # during start-up: no step made, so nothing new to save
-        return stopped_before_training(state, logger, say, clock() - started)
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
-    reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
-                          shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
-                          skipped_shards=state.skipped_shards, shard_files=data.shard_files,
-                          type_vocab_size=model_config.type_vocab_size)
-    state.skipped_shards = list(reader.skipped_shards)  # names (checkpoints before 2026-11-27 held paths)
-    batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
-    run = Run(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
-              all_gather_object=dist.all_gather_object,
-              device=device,
-              logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len, model_config=model_config,
-              say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
-              copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
-                                                                                data.max_pred),
-              peak_tflops=peak, graph_breaks=graph_breaks,
-              max_steps=int(args.max_steps), log_freq=int(args.log_freq), max_bad_steps=args.max_bad_steps,
-              steps_this_run=math.inf if args.steps_this_run == -1 else args.steps_this_run,
-              checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
-              keep_last_n_checkpoints=args.keep_last_n_checkpoints, phase1_end_step=args.phase1_end_step,
-              log_first_step_time=args.enable_torch_compile, progress_bar=rank == 0 and not args.disable_progress_bar)
-    first_step = state.global_step
-    profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
-                                      args.use_hpu, args.no_cuda)
-    train_started = clock()
-    try:
-        with profiler if profiler is not None else nullcontext():
-            final = train(run, state, batches, stop_event, profiler)
-    finally:
-        batches.close()
-    # The last checkpoint is on S3 before the run reports success. Still under main's stop handler: a repeated
-    # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
-    if copies is not None:
-        copies.finish(device)
-    raw_train_time = final["ended"] - train_started
-    sequences = micro * gas * world * (state.global_step - first_step)
-    model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
-    summary = {"e2e_train_time": clock() - started,
-               "training_sequences_per_second": sequences / raw_train_time,
-               "model_tflops": model_tflops, "mfu": model_tflops / peak,
-               "training_tokens_per_second": sequences * data.seq_len / raw_train_time,
-               "raw_train_time": raw_train_time,
-               "final_loss": final["final_loss"], "global_step": state.global_step, "skipped_steps": state.bad_steps,
-               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
-    logger.log(step=(), data=summary)
-    logger.flush()
-    return summary
+    # Every way out from here (the end, nothing to train, a stop during start-up, an error) frees the engine:
+    # DeepSpeed's gradient hooks would otherwise keep it, the model and the optimizer states alive after main.
+    with runtime.destroyed_on_exit(engine):
+        window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
+        data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)
+        checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
+        resume_tag = str(args.resume_step) if args.resume_step >= 0 else None
+        if copies is not None:
+            copies.prepare(device, args.resume_from_checkpoint, resume_tag, say=say)
+        state = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
+                              resume=args.resume_from_checkpoint, resume_tag=resume_tag, phase2=args.phase2,
+                              phase1_end_step=args.phase1_end_step, seed=args.seed, output_dir=args.output_dir)
+        if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
+            return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger,
+                                    say, clock() - started)
+        if stop_requested_on_any_rank(stop_event, device):  # during start-up: no step made, so nothing new to save
+            return stopped_before_training(state, logger, say, clock() - started)
+        micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
+        reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
+                              shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
+                              skipped_shards=state.skipped_shards, shard_files=data.shard_files,
+                              type_vocab_size=model_config.type_vocab_size)
+        state.skipped_shards = list(reader.skipped_shards)  # names (checkpoints before 2026-11-27 held paths)
+        batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
+        run = Run(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
+                  all_gather_object=dist.all_gather_object,
+                  device=device,
+                  logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len,
+                  model_config=model_config,
+                  say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
+                  copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
+                                                                                    data.max_pred),
+                  peak_tflops=peak, graph_breaks=graph_breaks,
+                  max_steps=int(args.max_steps), log_freq=int(args.log_freq), max_bad_steps=args.max_bad_steps,
+                  steps_this_run=math.inf if args.steps_this_run == -1 else args.steps_this_run,
+                  checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
+                  keep_last_n_checkpoints=args.keep_last_n_checkpoints, phase1_end_step=args.phase1_end_step,
+                  log_first_step_time=args.enable_torch_compile,
+                  progress_bar=rank == 0 and not args.disable_progress_bar)
+        first_step = state.global_step
+        profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
+                                          args.use_hpu, args.no_cuda)
+        train_started = clock()
+        try:
+            with profiler if profiler is not None else nullcontext():
+                final = train(run, state, batches, stop_event, profiler)
+        finally:
+            batches.close()
+        # The last checkpoint is on S3 before the run reports success. Still under main's stop handler: a repeated
+        # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
+        if copies is not None:
+            copies.finish(device)
+        raw_train_time = final["ended"] - train_started
+        sequences = micro * gas * world * (state.global_step - first_step)
+        model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
+        summary = {"e2e_train_time": clock() - started,
+                   "training_sequences_per_second": sequences / raw_train_time,
+                   "model_tflops": model_tflops, "mfu": model_tflops / peak,
+                   "training_tokens_per_second": sequences * data.seq_len / raw_train_time,
+                   "raw_train_time": raw_train_time,
+                   "final_loss": final["final_loss"], "global_step": state.global_step,
+                   "skipped_steps": state.bad_steps,
+                   "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
+        logger.log(step=(), data=summary)
+        logger.flush()
+        return summary
 
 
 def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig, data: DataInfo, world: int,

@@ -92,17 +92,13 @@ PHASES = ("forward", "backward", "step")  # DeepSpeedEngine's methods the driver
 @contextmanager
 def engine_phase_timers(gas: int):
     """Times DeepSpeedEngine.forward/backward/step; yields a list that gets, at each optimizer step's end,
-    (time, seconds spent so far in each phase). On exit it destroys the engines it timed: the driver's engine
-    outlives run_pretraining.main (DeepSpeed's hooks keep it, the model and the optimizer states alive), so
-    each run of this process would otherwise keep its memory through the runs after it (and in the peak RSS
-    printed at the end)."""
+    (time, seconds spent so far in each phase)."""
     import deepspeed
-    spent, step_ends, originals, engines = dict.fromkeys(PHASES, 0.0), [], {}, {}
+    spent, step_ends, originals = dict.fromkeys(PHASES, 0.0), [], {}
     micro_steps = [0]
 
     def timed(phase):
         def method(engine, *method_args, **kwargs):
-            engines[id(engine)] = engine
             start = time.perf_counter()
             result = originals[phase](engine, *method_args, **kwargs)
             spent[phase] += time.perf_counter() - start
@@ -121,8 +117,6 @@ def engine_phase_timers(gas: int):
     finally:
         for phase in PHASES:
             setattr(deepspeed.DeepSpeedEngine, phase, originals[phase])
-        for engine in engines.values():
-            engine.destroy()
 
 
 def time_plain_loop(args, arrays) -> tuple:

@@ -472,37 +472,40 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=flags.learning_rate, eps=1e-6, fused=fused)
     scheduler = LinearWarmUpScheduler(optimizer, warmup=flags.warmup_proportion, total_steps=total_steps)
     engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
-    if flags.torch_compile is not None:
-        runtime.compile_model(engine, *flags.torch_compile)
-    setup = training_setup(plan, flags.seed, features)
-    step = resume(session, engine, model.config, setup) if flags.resume else 0
-    session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
-                + (f", resumed at step {step}" if step else ""))
-    progress = make_progress_bar(session.progress_bar, total_steps, step)
-    first_step, losses, stopped = step, [], False
-    with runtime.stop_requests() as stop_event:
-        while step < total_steps and not stopped:
-            step_started = time.perf_counter()
-            loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
-            if flags.torch_compile is not None and step == first_step:
-                runtime.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
-            step += 1
-            losses.append(loss)
-            progress.update(1)
-            if step % flags.log_freq == 0 or step == total_steps:
-                session.logger.log(step=(step * plan.global_batch // plan.num_examples, step),
-                                   data={"step_loss": loss, "learning_rate": optimizer.param_groups[0]["lr"]})
-            if stopped or (flags.num_steps_per_checkpoint and step % flags.num_steps_per_checkpoint == 0):
-                save(session, engine, step, setup)
-    progress.close()
-    train_time = time.perf_counter() - started
-    if not flags.skip_checkpoint and not stopped and step > first_step:
-        save(session, engine, step, setup)
-    if stopped:
-        session.say(f"stop requested (SIGTERM/SIGINT): checkpoint {step} saved; --resume_from_checkpoint continues")
-    return {"e2e_train_time": train_time,
-            "training_sequences_per_second": (step - first_step) * plan.global_batch / train_time,
-            "final_loss": losses[-1] if losses else float("nan"), "global_step": step, "stopped_by_signal": stopped}
+    # destroyed however training ends: DeepSpeed's gradient hooks (bf16, ZeRO-1/2) would otherwise keep the engine
+    # and the optimizer states alive after main returns
+    with runtime.destroyed_on_exit(engine):
+        if flags.torch_compile is not None:
+            runtime.compile_model(engine, *flags.torch_compile)
+        setup = training_setup(plan, flags.seed, features)
+        step = resume(session, engine, model.config, setup) if flags.resume else 0
+        session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
+                    + (f", resumed at step {step}" if step else ""))
+        progress = make_progress_bar(session.progress_bar, total_steps, step)
+        first_step, losses, stopped = step, [], False
+        with runtime.stop_requests() as stop_event:
+            while step < total_steps and not stopped:
+                step_started = time.perf_counter()
+                loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
+                if flags.torch_compile is not None and step == first_step:
+                    runtime.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
+                step += 1
+                losses.append(loss)
+                progress.update(1)
+                if step % flags.log_freq == 0 or step == total_steps:
+                    session.logger.log(step=(step * plan.global_batch // plan.num_examples, step),
+                                       data={"step_loss": loss, "learning_rate": optimizer.param_groups[0]["lr"]})
+                if stopped or (flags.num_steps_per_checkpoint and step % flags.num_steps_per_checkpoint == 0):
+                    save(session, engine, step, setup)
+        progress.close()
+        train_time = time.perf_counter() - started
+        if not flags.skip_checkpoint and not stopped and step > first_step:
+            save(session, engine, step, setup)
+        if stopped:
+            session.say(f"stop requested (SIGTERM/SIGINT): checkpoint {step} saved; --resume_from_checkpoint continues")
+        return {"e2e_train_time": train_time,
+                "training_sequences_per_second": (step - first_step) * plan.global_batch / train_time,
+                "final_loss": losses[-1] if losses else float("nan"), "global_step": step, "stopped_by_signal": stopped}
 
 
 def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, step: int, stop_event) -> tuple:

@@ -27,9 +27,10 @@ def live_models() -> int:
 
 @pytest.mark.slow
 def test_a_timed_driver_run_leaves_no_model_behind(tmp_path, monkeypatch):
-    """With bf16 and ZeRO-1 (the MFU and compile commands of bench/README.md) the driver's DeepSpeed engine
-    outlives run_pretraining.main: the benchmark runs the driver several times in one process (--repeats,
-    --compile), so each run kept its model and optimizer states through the runs after it."""
+    """With bf16 and ZeRO-1 (the MFU and compile commands of bench/README.md) DeepSpeed's hooks kept the
+    driver's engine alive after run_pretraining.main until the driver destroyed it: the benchmark runs the driver
+    several times in one process (--repeats, --compile), so each run kept its model and optimizer states
+    through the runs after it."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
         monkeypatch.delenv(key, raising=False)  # a world of one, on a free port (not this process's group's)
     bench = load_bench()

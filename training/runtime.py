@@ -263,6 +263,18 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, pa
     return engine, optimizer or engine.optimizer
 
 
+@contextmanager
+def destroyed_on_exit(engine):
+    """engine.destroy() however the block ends. Trap: under bf16 or ZeRO-1/2, DeepSpeed's optimizer registers
+    gradient-accumulation hooks on the parameters that refer back to it; until destroy() removes them the
+    engine, the model and the optimizer states stay reachable after the caller returns (135 MiB per tiny run
+    in one process, measured with gc)."""
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
 def add_compile_arguments(group, compiles_lans: bool = False) -> None:
     """The compile-mode flags, on a parser or argument group (the same in every entry point). compiles_lans:
     the entry point's LANS update is compiled too (run_pretraining.py's; fine-tuning's AdamW is not)."""
