@@ -364,6 +364,12 @@ def _check_fit(model, config: BertConfig, weights: dict, *, fine_tune: bool) -> 
     missing = sorted(key for key in encoder if key not in weights)
     unknown = sorted(key for key in weights if key.startswith("bert.") and key not in own)
     wrong = sorted(key for key in own if key in weights and weights[key].shape != own[key].shape)
+    head_wrong = [key for key in own if key in wrong and not key.startswith("bert.")]  # in the model's order
+    if head_wrong and len(head_wrong) == len(wrong):  # the encoder fits: the head is another task's
+        key = head_wrong[0]
+        raise InputError(f"--init_checkpoint's task head does not fit this task's: {key} "
+                         f"{list(weights[key].shape)} in the checkpoint, {list(own[key].shape)} in the model "
+                         f"(a head for another number of labels or outputs)")
     if wrong:  # the encoder's tensors only: the head is the task's
         misfit = runtime.describe_misfit({key: own[key] for key in encoder},
                                          {key: value for key, value in weights.items() if key.startswith("bert.")})

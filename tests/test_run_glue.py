@@ -98,6 +98,23 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
     assert one_error_line(capsys).endswith("is for another model config: hidden_size 64 there, 128 in --config_file")
 
 
+def test_a_checkpoint_whose_head_has_another_number_of_labels_is_one_error_naming_it(tmp_path, capsys):
+    """A 3-label (MNLI-style) classifier's weights for the 2-label SST-2, to train or to evaluate: the line
+    names the head's tensor and both shapes (it said the encoder's config did not fit, and then nothing)."""
+    from modeling import BertForSequenceClassification
+    data = write_sst2_rule_task(tmp_path / "data", 40, 10)
+    config = BertConfig.from_json_file(TINY_CONFIG)
+    torch.save(BertForSequenceClassification(config, 3).state_dict(), tmp_path / "three_labels.pt")
+    hidden = config.hidden_size
+    for do_train in (True, False):
+        assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, do_train=do_train,
+                                      init_checkpoint=tmp_path / "three_labels.pt")) == 1
+        assert one_error_line(capsys) == (
+            f"error: --init_checkpoint's task head does not fit this task's: classifier.weight [3, {hidden}] in the "
+            f"checkpoint, [2, {hidden}] in the model (a head for another number of labels or outputs)")
+        assert not (tmp_path / "out").exists()
+
+
 def test_evaluation_of_a_checkpoint_without_the_head_is_refused_before_any_output(tmp_path, capsys):
     """--do_eval alone on pretrained weights (no classifier): one error line naming the head's keys (those the
     classification model has and the pretraining model has not), and neither the output directory nor the
