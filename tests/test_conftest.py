@@ -67,7 +67,8 @@ def test_a_session_with_another_cpu_capability_gets_its_own_inductor_cache(monke
 
     import conftest
     for key in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded, so that teardown restores the variable the function sets; a
+        monkeypatch.delenv(key)      # delenv of an unset variable records nothing
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
     conftest.inductor_cache_per_cpu_capability()
