@@ -36,6 +36,9 @@ case "$PHASE" in
     *) echo "error: PHASE must be 1 or 2, not '$PHASE'" >&2; exit 2 ;;
 esac
 MAX_STEPS="${MAX_STEPS:-$default_steps}"
+[[ "$MAX_STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "error: MAX_STEPS must be a whole number of steps above 0, not '$MAX_STEPS'" >&2; exit 2; }
+# The loss is logged every 10 steps, or at the last step of a shorter run: the plot needs at least one record.
+log_freq=$(( MAX_STEPS < 10 ? MAX_STEPS : 10 ))
 DATA_DIR="$DATA_WORK_DIR/hdf5_lower_case_1_seq_len_${seq_len}_max_pred_${max_pred}_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5/books_wiki_en_corpus"
 CHECKPOINTS_DIR="$run_dir/checkpoints"
 JSON_SUMMARY="$run_dir/dllogger.json"
@@ -88,7 +91,7 @@ command=(deepspeed --num_gpus 2 --no_local_rank --master_port "${MASTER_PORT:-29
          --config_file scripts/bert_tiny_config.json --deepspeed --deepspeed_config "$ds_config"
          --input_dir "$DATA_DIR" --output_dir "$CHECKPOINTS_DIR" --json-summary "$JSON_SUMMARY"
          --max_predictions_per_seq "$max_pred" --seed 12439 --learning_rate "$LEARNING_RATE" --warmup_proportion 0.1
-         --max_steps "$MAX_STEPS" --num_steps_per_checkpoint 60 --log_freq 10 ${run_args[@]+"${run_args[@]}"})
+         --max_steps "$MAX_STEPS" --num_steps_per_checkpoint 60 --log_freq "$log_freq" ${run_args[@]+"${run_args[@]}"})
 echo "${command[*]}"
 run_forwarding_signals "${command[@]}"  # SIGTERM or Ctrl-C: the ranks save a checkpoint and exit 0
 

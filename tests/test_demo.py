@@ -219,15 +219,16 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     assert steps[-1]["data"]["average_loss"] < windows[0]
     assert (results / "checkpoints" / "latest").read_text().strip() == "130"
 
-    # Phase 2 continues from phase 1's checkpoint 130 on the sample's 512/80 shards, in results/phase2.
-    run_demo(tmp_path, PHASE="2", MAX_STEPS="10")
+    # Phase 2 continues from phase 1's checkpoint 130 on the sample's 512/80 shards, in results/phase2; a run
+    # shorter than the demo's 10-step log interval logs its last step, so that its plot has a loss to draw.
+    run_demo(tmp_path, PHASE="2", MAX_STEPS="4")
     assert all(read_shard_header(path)[1:] == (512, 80)
                for path in results.rglob("*seq_len_512*/books_wiki_en_corpus/*training*.hdf5"))
     phase2 = results / "phase2"
-    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "140"  # tags continue after phase 1's
+    assert (phase2 / "checkpoints" / "latest").read_text().strip() == "134"  # tags continue after phase 1's
     assert (results / "checkpoints" / "latest").read_text().strip() == "130"  # phase 1 untouched
     steps = helpers.step_records(phase2 / "dllogger.json")
-    assert [r["step"][1] for r in steps] == [10]
+    assert [r["step"][1] for r in steps] == [4]
     assert math.isfinite(steps[0]["data"]["average_loss"]) and steps[0]["data"]["average_loss"] < windows[0]
     assert (phase2 / "loss.png").exists() and tensorboard_scalars(phase2 / "tensorboard", "Train/average_loss")
 
