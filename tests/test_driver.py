@@ -11,6 +11,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import weakref
 from contextlib import nullcontext
@@ -401,6 +403,46 @@ def test_the_engine_and_model_are_freed_when_main_returns(tmp_path, tiny_shards,
         run(tmp_path, tiny_shards, max_steps=1, skip_checkpoint=True)
     gc.collect()
     assert built and all(model() is None for model in built), "the driver's model outlives main"
+
+
+def listening_on(pid: int, port: int) -> bool:
+    import psutil
+    return any(conn.laddr.port == port and conn.status == psutil.CONN_LISTEN
+               for conn in psutil.Process(pid).net_connections(kind="tcp"))
+
+
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_seconds(tmp_path, tiny_shards,
+                                                                                        sent):
+    """Rank 0 of a 2-rank job started alone: it waits in the rendezvous (torch.distributed's TCP store, which it
+    hosts) for rank 1. A Ctrl-C there used to wait out --collective_timeout_s (the rendezvous blocks in C++,
+    where Python's handler cannot run); now the rank leaves within seconds with one line, exit 0 as for any
+    stop during start-up. Timed by this test's clock, from the signal to the process's end."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, world=2)
+    port = helpers.free_port()
+    env = helpers.launcher_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port))
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, collective_timeout_s=60)
+    process = subprocess.Popen([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"), *map(str, argv)],
+                               cwd=helpers.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not listening_on(process.pid, port):  # the store is up: the rank is in the rendezvous
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        process.send_signal(sent)
+        signalled = time.monotonic()
+        out, err = process.communicate(timeout=90)
+        elapsed = time.monotonic() - signalled
+    finally:
+        process.kill()
+    line = (f"rank 0 of 2: stop requested ({sent.name}) while waiting for the other ranks to join "
+            f"(127.0.0.1:{port}): stopping before the first step")
+    assert elapsed < runtime.RENDEZVOUS_STOP_GRACE_S + 5, (elapsed, out[-2000:], err[-2000:])
+    assert process.returncode == 0 and line in out.splitlines(), (process.returncode, out[-2000:], err[-2000:])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 class EndedBySigterm(Exception):

@@ -87,9 +87,12 @@ def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
 
 
 def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1,
-                                 collective_timeout_s: float = 1800) -> torch.device:
+                                 collective_timeout_s: float = 1800,
+                                 stop_event: threading.Event | None = None) -> torch.device:
     """The only place that touches backends, environment variables and DeepSpeed's CPU traps. A collective
-    that waits longer than collective_timeout_s (a rank died or stalled) raises instead of hanging."""
+    that waits longer than collective_timeout_s (a rank died or stalled) raises instead of hanging. A stop
+    (SIGINT/SIGTERM, or stop_event already set) while waiting for the other ranks ends the process within
+    seconds (stop_ends_rendezvous)."""
     if "RANK" not in os.environ:  # started without a launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
@@ -120,9 +123,66 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
                             category=FutureWarning)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     _default_group_timeout(timeout)
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    _JOB["timeout_s"], _JOB["hosts"] = collective_timeout_s, gather_rank_hosts()
+    # The rendezvous: init_process_group, and the first collective (NCCL connects lazily, at the first one)
+    with stop_ends_rendezvous(stop_event is not None and stop_event.is_set()):
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        _JOB["timeout_s"], _JOB["hosts"] = collective_timeout_s, gather_rank_hosts()
     return device
+
+
+# Seconds a rendezvous under way when a stop comes has to complete before the process leaves it.
+RENDEZVOUS_STOP_GRACE_S = 3.0
+
+
+@contextmanager
+def stop_ends_rendezvous(stop_requested: bool = False):
+    """Trap: the rendezvous blocks in C++ (gloo, the TCP store, NCCL) until every rank has joined or the
+    collective timeout has passed, and Python runs signal handlers only once it returns: a Ctrl-C to a rank
+    whose peer never came waited out the whole --collective_timeout_s. Inside this block the C-level handler
+    also writes the signal's number to a pipe (signal.set_wakeup_fd) that a thread reads; when SIGINT/SIGTERM
+    comes (or stop_requested: it came before) and the rendezvous has not completed RENDEZVOUS_STOP_GRACE_S
+    later, the thread prints one line and ends the process with status 0, as a stop during start-up does
+    (nothing trained, nothing to save; a supervisor restarts no job that exits 0). A rendezvous that completes
+    in time goes on, and the entry point's own stop handling applies."""
+    if threading.current_thread() is not threading.main_thread():  # set_wakeup_fd: the main thread only
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    completed = threading.Event()
+
+    def leave_unless_completed(signal_name: str) -> None:
+        if completed.wait(RENDEZVOUS_STOP_GRACE_S):
+            return
+        rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+        print(f"rank {rank} of {world}: stop requested ({signal_name}) while waiting for the other ranks to join "
+              f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}): stopping before the first step",
+              flush=True)
+        sys.stderr.flush()
+        os._exit(0)  # the main thread is inside C++ and would not return before the collective timeout
+
+    def watch() -> None:
+        if stop_requested:
+            leave_unless_completed("SIGTERM/SIGINT")
+        while not completed.is_set():
+            received = os.read(read_fd, 1)
+            if not received:  # the write end closed: the rendezvous completed
+                return
+            if received[0] in (signal.SIGINT, signal.SIGTERM):
+                leave_unless_completed(signal.Signals(received[0]).name)
+                return
+
+    watcher = threading.Thread(target=watch, name="stop during rendezvous", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        completed.set()
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_fd)
+        watcher.join()
+        os.close(read_fd)
 
 
 # What a rank knows of the job for the message when a collective fails (set once, at initialisation).
