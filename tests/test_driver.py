@@ -370,15 +370,7 @@ def test_sigterm_finishes_the_step_saves_and_returns(tmp_path, tiny_shards):
     assert signal.getsignal(signal.SIGTERM) is before  # the driver's handler is removed again
 
 
-class RaisedMidRun(Exception):
-    """An error in the training loop, after the engine is built."""
-
-
-def raise_on_first_call(call):
-    raise RaisedMidRun("the criterion's first call")
-
-
-@pytest.mark.parametrize("ending", ["normal", "nothing_to_train", "error"])
+@pytest.mark.parametrize("ending", ["normal", "nothing_to_train"])
 def test_the_engine_and_model_are_freed_when_main_returns(tmp_path, tiny_shards, monkeypatch, ending):
     """bf16 + ZeRO-1: DeepSpeed's gradient hooks hold the engine, the model and the optimizer states until
     engine.destroy(); without it each in-process run (the suite, a sweep, a notebook) kept them (135 MiB after
@@ -396,9 +388,6 @@ def test_the_engine_and_model_are_freed_when_main_returns(tmp_path, tiny_shards,
     if ending == "nothing_to_train":
         run(tmp_path, tiny_shards, max_steps=1)
         run(tmp_path, tiny_shards, max_steps=1, resume_from_checkpoint=True)
-    elif ending == "error":
-        with pytest.raises(RaisedMidRun):
-            run(tmp_path, tiny_shards, max_steps=2, criterion=PoisonedCriterion(on_call=raise_on_first_call))
     else:
         run(tmp_path, tiny_shards, max_steps=1, skip_checkpoint=True)
     gc.collect()
