@@ -800,9 +800,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     rank, world = dist.get_rank(), dist.get_world_size()
     check_same_shards_on_every_rank(data, args.input_dir)
     runtime.seed_everything(args.seed + rank)
-    logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
-    log_parameters(logger, args, ds_config)
     checkpoint_interval = args.checkpoint_activations_interval if args.checkpoint_activations else 0
     check_memory(device, ds_config, model_config, data, world, say, checkpoint_interval=checkpoint_interval,
                  client_optimizer=args.optimizer, skip_memory_check=args.skip_memory_check,
@@ -810,8 +808,12 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     peak_dtype = torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32
     peak, peak_source = hardware.peak_tflops(device, peak_dtype, args.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
-    logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     model = build_model(model_config, args.init_checkpoint, checkpoint_interval)
+    # The log is started once the run is known to fit and its weights to load: a refused attempt of a
+    # launcher (which resumes, appending) adds nothing to the run's log.
+    logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
+    log_parameters(logger, args, ds_config)
+    logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     graph_breaks = make_graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
     lr_schedule = {"warmup": args.warmup_proportion, "total_steps": int(args.max_steps),
                    "degree": args.scheduler_degree, "constant": args.constant_proportion}
@@ -820,7 +822,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                      lans_blocks=args.lans_blocks,
                                      torch_compile=((args.torch_compile_backend, args.torch_compile_mode)
                                                     if args.enable_torch_compile else None))
-    # Every way out from here (the end, nothing to train, a stop during start-up, an error) frees the engine:
+    # Every normal way out from here (the end, nothing to train, a stop during start-up) frees the engine:
     # DeepSpeed's gradient hooks would otherwise keep it, the model and the optimizer states alive after main.
     with runtime.destroyed_on_exit(engine):
         window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)

@@ -478,8 +478,8 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=flags.learning_rate, eps=1e-6, fused=fused)
     scheduler = LinearWarmUpScheduler(optimizer, warmup=flags.warmup_proportion, total_steps=total_steps)
     engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
-    # destroyed however training ends: DeepSpeed's gradient hooks (bf16, ZeRO-1/2) would otherwise keep the engine
-    # and the optimizer states alive after main returns
+    # destroyed when training ends without an error: DeepSpeed's gradient hooks (bf16, ZeRO-1/2) would otherwise
+    # keep the engine and the optimizer states alive after main returns
     with runtime.destroyed_on_exit(engine):
         if flags.torch_compile is not None:
             runtime.compile_model(engine, *flags.torch_compile)

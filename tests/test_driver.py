@@ -818,6 +818,7 @@ def test_bad_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, capsys, pr
                                 "checkpoint has hidden 64, 2 layers",
                 "not_a_state_dict": "holds no state dict"}[problem]
     assert len(err) == 1 and err[0].startswith("error: --init_checkpoint") and expected in err[0]
+    assert not (tmp_path / "dllogger.json").exists()  # refused before the run's log is started
 
 
 # A layer of the tiny config: Q, K, V and the attention output (weight and bias each), the attention's LayerNorm,
@@ -1112,7 +1113,7 @@ def test_a_run_predicted_not_to_fit_is_refused_before_any_step(tmp_path, tiny_sh
     if not skip:
         with pytest.raises(rp.InputError, match="the memory planner predicts .*512 MiB test device"):
             rp.main(argv, device_memory=small_device)
-        assert not helpers.step_records(tmp_path / "dllogger.json")
+        assert not (tmp_path / "dllogger.json").exists()  # refused before the run's log is started
     else:
         assert rp.main(argv, device_memory=small_device)["global_step"] == 1
         assert "training anyway (--skip_memory_check)" in capsys.readouterr().out
