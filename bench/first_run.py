@@ -88,12 +88,15 @@ def parse_arguments(argv=None):
     return args
 
 
-def build_sample_data(work_dir: Path) -> Path:
-    data_dir = work_dir / "data"
+def sample_data_dir(work_dir: Path) -> Path:
+    """Where build_sample_data leaves the shards the runs read."""
+    return work_dir / "data" / DATASET
+
+
+def build_sample_data(work_dir: Path) -> None:
     subprocess.run(["bash", str(REPO_ROOT / "data" / "create_datasets_from_start.sh"), "sample"], check=True,
-                   env=dict(os.environ, BERT_PREP_WORKING_DIR=str(data_dir), PHASES="1", PYTHON=sys.executable),
-                   stdout=subprocess.DEVNULL)
-    return data_dir / DATASET
+                   env=dict(os.environ, BERT_PREP_WORKING_DIR=str(work_dir / "data"), PHASES="1",
+                            PYTHON=sys.executable), stdout=subprocess.DEVNULL)
 
 
 def driver_accepts(flag: str) -> bool:
@@ -153,7 +156,7 @@ def one_run(args, device_type: str) -> int:
     name, config, accelerator_micro, cpu_micro = (TINY_RUNS if args.tiny else FULL_RUNS)[int(index)]
     work_dir = Path(args.work_dir)
     try:
-        result = run_once(args, work_dir, work_dir / "data" / DATASET, name, config,
+        result = run_once(args, work_dir, sample_data_dir(work_dir), name, config,
                           cpu_micro if device_type == "cpu" else accelerator_micro, mode, device_type)
     except run_pretraining.InputError as err:
         print(f"error: {err}", file=sys.stderr)
