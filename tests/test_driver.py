@@ -25,6 +25,7 @@ import torch
 
 import helpers
 import run_pretraining as rp
+from common.errors import NO_RESTART_MARK
 from finetune.hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
 from training import checkpointing, gaudi, runtime
@@ -432,6 +433,25 @@ def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_s
     assert elapsed < runtime.RENDEZVOUS_STOP_GRACE_S + 5, (elapsed, out[-2000:], err[-2000:])
     assert process.returncode == 0 and line in out.splitlines(), (process.returncode, out[-2000:], err[-2000:])
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_rank_that_never_comes_is_one_error_line_at_the_collective_timeout(tmp_path, tiny_shards):
+    """Rank 0 of a 2-rank job started alone, --collective_timeout_s 5: torch's store gives up waiting for rank 1
+    (a DistStoreError). The rank ends with one error line that names the rendezvous and the timeout, exit 1
+    (not marked [no restart]: another attempt may find every server up); it was a traceback."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, world=2)
+    port = helpers.free_port()
+    env = helpers.launcher_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port))
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, collective_timeout_s=5)
+    result = subprocess.run([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"), *map(str, argv)],
+                            cwd=helpers.REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert result.returncode == 1 and len(errors) == 1, (result.returncode, result.stderr[-3000:])
+    assert errors[0].startswith(f"error: rank 0 of 2: not every rank joined the rendezvous at 127.0.0.1:{port} "
+                                f"within --collective_timeout_s 5 s: a server did not start its ranks, or cannot "
+                                f"reach that address; the job stops ("), errors[0]
+    assert not errors[0].endswith(NO_RESTART_MARK)
 
 
 class EndedBySigterm(Exception):

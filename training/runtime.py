@@ -124,9 +124,10 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     _default_group_timeout(timeout)
     # The rendezvous: init_process_group, and the first collective (NCCL connects lazily, at the first one)
+    _JOB["timeout_s"] = collective_timeout_s
     with stop_ends_rendezvous(stop_event is not None and stop_event.is_set()):
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-        _JOB["timeout_s"], _JOB["hosts"] = collective_timeout_s, gather_rank_hosts()
+        _JOB["hosts"] = gather_rank_hosts()
     return device
 
 
@@ -228,11 +229,18 @@ def gather_rank_hosts() -> list:
 
 
 def describe_collective_failure(err: Exception):
-    """One line for a collective that failed because a peer died, stalled or became unreachable; None when
-    `err` is something else."""
+    """One line for a collective that failed because a peer died, stalled or became unreachable, or for a
+    rendezvous that not every rank joined in time; None when `err` is something else."""
     text = " ".join(str(err).split())
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available():
         return None
+    if not dist.is_initialized():  # torch's store raises DistError when not every rank joined in time
+        if not isinstance(err, dist.DistError):
+            return None
+        return (f"rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}: not every rank joined "
+                f"the rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within "
+                f"--collective_timeout_s {_JOB['timeout_s']:g} s: a server did not start its ranks, or cannot reach "
+                f"that address; the job stops ({one_line(err, 200)})")
     gone, timed_out = _PEER_GONE.search(text), _TIMED_OUT.search(text)
     if not (isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and (gone or timed_out)
                                                  and ("gloo" in text or "NCCL" in text or "HCCL" in text))):
