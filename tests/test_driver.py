@@ -401,6 +401,16 @@ def listening_on(pid: int, port: int) -> bool:
                for conn in psutil.Process(pid).net_connections(kind="tcp"))
 
 
+def lone_rank_zero_of_two(tmp_path, tiny_shards, collective_timeout_s):
+    """(command, environment, rendezvous port) of rank 0 of a 2-rank job whose rank 1 never starts."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, world=2)
+    port = helpers.free_port()
+    env = helpers.launcher_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port))
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, collective_timeout_s=collective_timeout_s)
+    return [sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"), *map(str, argv)], env, port
+
+
 @pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_seconds(tmp_path, tiny_shards,
                                                                                         sent):
@@ -408,13 +418,8 @@ def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_s
     hosts) for rank 1. A Ctrl-C there used to wait out --collective_timeout_s (the rendezvous blocks in C++,
     where Python's handler cannot run); now the rank leaves within seconds with one line, exit 0 as for any
     stop during start-up. Timed by this test's clock, from the signal to the process's end."""
-    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, world=2)
-    port = helpers.free_port()
-    env = helpers.launcher_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=str(port))
-    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, collective_timeout_s=60)
-    process = subprocess.Popen([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"), *map(str, argv)],
-                               cwd=helpers.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    command, env, port = lone_rank_zero_of_two(tmp_path, tiny_shards, collective_timeout_s=60)
+    process = subprocess.Popen(command, cwd=helpers.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:
         deadline = time.monotonic() + 120
@@ -439,13 +444,8 @@ def test_a_rank_that_never_comes_is_one_error_line_at_the_collective_timeout(tmp
     """Rank 0 of a 2-rank job started alone, --collective_timeout_s 5: torch's store gives up waiting for rank 1
     (a DistStoreError). The rank ends with one error line that names the rendezvous and the timeout, exit 1
     (not marked [no restart]: another attempt may find every server up); it was a traceback."""
-    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, world=2)
-    port = helpers.free_port()
-    env = helpers.launcher_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=str(port))
-    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, collective_timeout_s=5)
-    result = subprocess.run([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"), *map(str, argv)],
-                            cwd=helpers.REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    command, env, port = lone_rank_zero_of_two(tmp_path, tiny_shards, collective_timeout_s=5)
+    result = subprocess.run(command, cwd=helpers.REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
     assert result.returncode == 1 and len(errors) == 1, (result.returncode, result.stderr[-3000:])
     assert errors[0].startswith(f"error: rank 0 of 2: not every rank joined the rendezvous at 127.0.0.1:{port} "
