@@ -11,6 +11,12 @@ the ratio and the largest weight difference to the baseline at the end (useful a
     python bench/bench_optimizer.py --compile_update     # LANS(compile_update=True) vs eager LANS
 
 With --compile_update the warm-up steps include the compilation (inductor), outside the timed steps.
+
+Each shape's line ends with LANS's memory floor. The update is memory-bound: per parameter its three sweeps
+read at least 9 float32 values and write 3 (sweep 1 reads g; sweep 2 reads w, g, m, v and writes m, v;
+sweep 3 reads the four again and writes w). The floor is the time of that traffic on this machine, from a
+read (the norm of the parameters flattened) and a copy (a read and a write) timed in the same run:
+9 reads + 3 writes = 6 reads + 3 copies. LANS's step near its floor can only get faster with fewer passes.
 """
 
 import argparse
@@ -23,6 +29,9 @@ import torch
 from bench_model import SHAPES, bench_configs
 from modeling import BertForPreTraining
 from optimization import build_optimizer, get_parameter_groups
+
+# LANS's least memory traffic per parameter (see above): 9 float32 reads + 3 writes = 6 reads + 3 copies.
+FLOOR_READS, FLOOR_COPIES = 6, 3
 
 
 def parse_arguments(argv=None):
@@ -72,9 +81,29 @@ def run_shape(name, config, args):
     ours_ms, baseline_ms = map(statistics.median, times)
     difference = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
     ours_name = "compiled LANS" if args.compile_update else "LANS"
-    print(f"{name}: {sum(p.numel() for p in ours.parameters()):,} parameters; {ours_name} {ours_ms:.1f} ms, "
+    numel = sum(p.numel() for p in ours.parameters())
+    read_ms, copy_ms = memory_pass_ms(numel, args.warmup + args.steps)
+    floor_ms = FLOOR_READS * read_ms + FLOOR_COPIES * copy_ms
+    print(f"{name}: {numel:,} parameters; {ours_name} {ours_ms:.1f} ms, "
           f"{baseline_name} {baseline_ms:.1f} ms, baseline/{ours_name} {baseline_ms / ours_ms:.2f}; "
-          f"max |weight difference| after {args.warmup + args.steps} steps {difference:.2e}")
+          f"max |weight difference| after {args.warmup + args.steps} steps {difference:.2e}; memory floor "
+          f"{floor_ms:.1f} ms (a read of the parameters {read_ms:.1f} ms, a copy {copy_ms:.1f} ms), "
+          f"{ours_name}/floor {ours_ms / floor_ms:.2f}")
+
+
+def memory_pass_ms(numel, repeats):
+    """Median ms of reading `numel` float32 values once (their norm) and of copying them (a read and a
+    write), alternating, after one untimed round."""
+    source, target = torch.rand(numel), torch.empty(numel)
+    passes = (lambda: torch.linalg.vector_norm(source), lambda: target.copy_(source))
+    times = [[], []]
+    for index in range(repeats + 1):
+        for memory_pass, record in zip(passes, times):
+            start = time.perf_counter()
+            memory_pass()
+            if index:
+                record.append((time.perf_counter() - start) * 1000.0)
+    return tuple(map(statistics.median, times))
 
 
 def main(argv=None):
