@@ -56,9 +56,9 @@ phase_args() {
 }
 
 # HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
-# found the device here, and the ranks' environment in RANK_ENV (hpu_environment). CPU ranks take DeepSpeed's
-# CPU accelerator and one thread each unless told otherwise. LAUNCHER_ARGS: on a CPU run the deepspeed
-# launcher's INFO lines (among them 'Setting CUDA_VISIBLE_DEVICES=0,1') say nothing true; its warnings and
+# found the device here, the ranks' environment in RANK_ENV (hpu_environment), and the devices the ranks get
+# in RESOURCE_ARGS (resource_args). CPU ranks take DeepSpeed's CPU accelerator and one thread each unless told
+# otherwise. LAUNCHER_ARGS: on a CPU run the deepspeed launcher's INFO lines (among them 'Setting CUDA_VISIBLE_DEVICES=0,1') say nothing true; its warnings and
 # errors (a rank's exit code) still show.
 device_args() {
     RANK_ENV=()
@@ -71,6 +71,7 @@ device_args() {
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
     esac
     check_devices
+    resource_args
 }
 
 # Before any rank starts: this machine has HL_NGPU_PER_NODE devices of the kind HL_DEVICE names (otherwise
@@ -267,11 +268,32 @@ check_finetuning_resume() {
     echo "$init" > "$record"
 }
 
-# deepspeed --num_nodes N --num_gpus G --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...
+# Which devices of each server the ranks get, as deepspeed runner arguments, in RESOURCE_ARGS:
+# `--num_nodes N --num_gpus G`, devices 0..G-1. Trap: given --num_gpus, the runner of DeepSpeed 0.19.8
+# (launcher/runner.py, main) ignores and deletes CUDA_VISIBLE_DEVICES, and launch.py gives the ranks devices
+# 0..G-1, which may be another job's. So on one server with HL_DEVICE=cuda and CUDA_VISIBLE_DEVICES set (by
+# the user, or a scheduler such as Slurm), its first G devices are named with `--include localhost:IDS` (which
+# excludes --num_nodes/--num_gpus). The runner takes only numeric indices there: other forms (GPU-/MIG- UUIDs)
+# are an error. With several servers every server's ranks get devices 0..G-1 (CUDA_VISIBLE_DEVICES is not
+# passed to the other servers).
+resource_args() {
+    RESOURCE_ARGS=(--num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE")
+    [[ "${HL_DEVICE:-hpu}" == cuda && -n "${CUDA_VISIBLE_DEVICES:-}" ]] && (( NUM_NODES == 1 )) || return 0
+    local ids id
+    IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
+    ids=("${ids[@]:0:$NGPU_PER_NODE}")
+    for id in "${ids[@]}"; do
+        [[ "$id" =~ ^[0-9]+$ ]] || die "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: the deepspeed launcher takes devices by index only (e.g. 4,5,6,7), not '$id'"
+    done
+    RESOURCE_ARGS=(--include "localhost:$(IFS=,; echo "${ids[*]}")")
+}
+
+# deepspeed RESOURCES --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...
+# (RESOURCES: resource_args, run by device_args)
 launch_ranks() {
     mkdir -p "$RESULTS_DIR"
     cd "$REPO_ROOT" || exit 1
-    local command=(deepspeed "${LAUNCHER_ARGS[@]}" --num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE" --no_local_rank --no_python
+    local command=(deepspeed "${LAUNCHER_ARGS[@]}" "${RESOURCE_ARGS[@]}" --no_local_rank --no_python
                    "${RENDEZVOUS_ARGS[@]}" "${RANK_ENV[@]}" "$PYTHON" -u "$@")
     echo "${command[*]}"
     run_forwarding_signals "${command[@]}"

@@ -438,3 +438,38 @@ def test_fine_tuning_launchers_resume_and_refuse_checkpoints_of_other_weights(st
                               f"not of INIT_CHECKPOINT {other}: set HL_RESULTS_DIR to a new directory "
                               "(or remove that one)\n")
     assert not (tmp_path / "args").exists()
+
+
+def resource_args(**environ) -> subprocess.CompletedProcess:
+    """launch_common.sh's resource_args (argument building only; no device is looked for) in `environ`."""
+    script = 'source scripts/launch_common.sh; resource_args; printf "%s\\n" "${RESOURCE_ARGS[@]}"'
+    return subprocess.run(["bash", "-c", script],
+                          cwd=helpers.REPO_ROOT, env=dict(helpers.environ_without_rank(), **environ),
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("environ,expected", [
+    # DeepSpeed 0.19.8's runner drops CUDA_VISIBLE_DEVICES when --num_gpus is given: the listed devices go in --include
+    ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "4,5,6,7", "NGPU_PER_NODE": "4"},
+     ["--include", "localhost:4,5,6,7"]),
+    ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "6,7,0,1,2", "NGPU_PER_NODE": "3"},
+     ["--include", "localhost:6,7,0"]),
+    ({"HL_DEVICE": "cuda", "NGPU_PER_NODE": "8"}, ["--num_nodes", "1", "--num_gpus", "8"]),
+    ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "", "NGPU_PER_NODE": "8"}, ["--num_nodes", "1", "--num_gpus", "8"]),
+    # several servers: the runner uses the hostfile's slots on every server (devices 0..G-1)
+    ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "4,5", "NGPU_PER_NODE": "2", "NUM_NODES": "2"},
+     ["--num_nodes", "2", "--num_gpus", "2"]),
+    # no CUDA: the variable does not choose the devices
+    ({"HL_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "4,5", "NGPU_PER_NODE": "2"},
+     ["--num_nodes", "1", "--num_gpus", "2"]),
+])
+def test_one_cuda_server_launches_on_the_devices_cuda_visible_devices_lists(environ, expected):
+    result = resource_args(**{"NUM_NODES": "1", **environ})
+    assert (result.returncode, result.stdout.splitlines(), result.stderr) == (0, expected, "")
+
+
+def test_cuda_visible_devices_by_uuid_is_one_error_line():
+    result = resource_args(HL_DEVICE="cuda", CUDA_VISIBLE_DEVICES="GPU-5f2a,1", NUM_NODES="1", NGPU_PER_NODE="2")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        1, "", "error: CUDA_VISIBLE_DEVICES=GPU-5f2a,1: the deepspeed launcher takes devices by index only "
+               "(e.g. 4,5,6,7), not 'GPU-5f2a'\n")
