@@ -454,7 +454,7 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
     if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0
         runtime.seed_everything(seed + rank + world * state.global_step)
     else:
-        checkpointing.restore_rng_state(rank_state["rng"])
+        checkpointing.restore_rng_state(rank_state["rng"], engine.device)
         state.open_window = rank_state.get("log_window", {})
     if phase2 and state.phase == 1:
         if state.global_step != phase1_end_step:
@@ -522,7 +522,7 @@ def save(run: "Run", state: TrainState, window: "LogWindow") -> str:
         run.copies.finish(run.device)
     log_window_losses = {"local_losses": list(window.local_losses), "all_rank_losses": list(window.all_rank_losses)}
     checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,
-                                  {"rng": checkpointing.capture_rng_state(), "log_window": log_window_losses})
+                                  {"rng": checkpointing.capture_rng_state(run.device), "log_window": log_window_losses})
     if run.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
         checkpointing.prune_checkpoints(run.checkpoint_dir, run.keep_last_n_checkpoints)
     if run.copies is not None:

@@ -570,7 +570,7 @@ def save(session: Session, engine, step: int, setup: dict) -> None:
     (training_setup), so a resume continues exactly."""
     client_state = {"global_step": step, "model_config": engine.module.config.to_dict(), "training_setup": setup}
     checkpointing.save_checkpoint(engine, checkpoint_dir(session.output_dir), str(step), client_state,
-                                  {"rng": checkpointing.capture_rng_state()})
+                                  {"rng": checkpointing.capture_rng_state(session.device)})
     session.say(f"saved checkpoint {step} in {checkpoint_dir(session.output_dir)}")
 
 
@@ -600,7 +600,7 @@ def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
         raise InputError(f"checkpoint {tag} in {directory} was saved with another training setup: {key} {then!r} "
                          f"then, {now!r} now (set by {flag}); resume with the same data and flags, or start in "
                          f"another --output_dir")
-    checkpointing.restore_rng_state(rank_state["rng"])
+    checkpointing.restore_rng_state(rank_state["rng"], session.device)
     return int(client["global_step"])
 
 

@@ -151,6 +151,23 @@ def test_rng_state_round_trip_through_weights_only_load(tmp_path):
     assert torch.equal(torch.rand(3), expected[2])
 
 
+def test_a_cuda_rank_restores_its_own_devices_rng_state():
+    """A rank draws from cuda:LOCAL_RANK only. Checkpoints from before 2026-11-27 hold a state per visible device
+    (torch.cuda.get_rng_state_all): the rank takes its own index's, not the first one's; newer ones hold one."""
+    states = [torch.tensor([index] * 4, dtype=torch.uint8) for index in range(8)]  # stand-ins, byte tensors
+    assert torch.equal(checkpointing.own_cuda_rng_state(states, 5), states[5])
+    assert checkpointing.own_cuda_rng_state(states[2], 5) is states[2]
+    with pytest.raises(checkpointing.CheckpointError, match="RNG states of 4 devices, none for this rank's cuda:5"):
+        checkpointing.own_cuda_rng_state(states[:4], 5)
+
+
+def test_a_cuda_rng_state_does_not_resume_on_another_device_type():
+    state = checkpointing.capture_rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    with pytest.raises(checkpointing.CheckpointError, match="CUDA RNG state but this run is not on CUDA"):
+        checkpointing.restore_rng_state(dict(state, cuda=torch.zeros(16, dtype=torch.uint8)), torch.device("cpu"))
+
+
 # --------------------------------------------------------------------------- layout, latest, manifest
 
 @pytest.fixture

@@ -106,9 +106,12 @@ def _raise_if_any_rank_failed(error: str | None, what: str, device) -> None:
 
 # --------------------------------------------------------------------------- RNG state
 
-def capture_rng_state() -> dict:
+def capture_rng_state(device=None) -> dict:
     """Every RNG state of this process as ints, lists and tensors only, so that the file can be read
-    back with torch.load(weights_only=True)."""
+    back with torch.load(weights_only=True). device: the run's (torch.device; None: the CPU). A CUDA run
+    saves its own device's generator (the only one its ranks draw from: each uses cuda:LOCAL_RANK of the
+    devices the launcher shows to every local rank); a CPU run saves none, also where CUDA is available, so
+    that a CPU checkpoint resumes on a machine without CUDA (and no CUDA context is created for it)."""
     _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state = {
         "python": random.getstate(),
@@ -116,17 +119,29 @@ def capture_rng_state() -> dict:
                   "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
         "torch_cpu": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     hpu_random = _hpu_random_module()
     if hpu_random is not None:
         state["hpu"] = hpu_random.get_rng_state()
     return state
 
 
-def restore_rng_state(state: dict) -> None:
-    """Inverse of capture_rng_state. A device RNG state saved on another device type is an error,
-    since resuming would silently change the random stream."""
+def own_cuda_rng_state(saved, device_index: int):
+    """The CUDA generator state a rank on cuda:device_index restores from a checkpoint's "cuda" entry: the
+    entry itself (one device's, capture_rng_state), or, in checkpoints written before 2026-11-27 (the states of
+    every device the rank could see, torch.cuda.get_rng_state_all), the one of its own device index."""
+    if torch.is_tensor(saved):
+        return saved
+    if device_index >= len(saved):
+        raise CheckpointError(f"checkpoint holds the CUDA RNG states of {len(saved)} devices, none for this rank's "
+                              f"cuda:{device_index}: resume with as many devices per server as the run that saved it")
+    return saved[device_index]
+
+
+def restore_rng_state(state: dict, device=None) -> None:
+    """Inverse of capture_rng_state (device: the run's, as there). A device RNG state saved on another device
+    type is an error, since resuming would silently change the random stream."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     np_state = state["numpy"]
@@ -134,9 +149,10 @@ def restore_rng_state(state: dict) -> None:
                          np_state["has_gauss"], np_state["cached_gaussian"]))
     torch.set_rng_state(state["torch_cpu"])
     if "cuda" in state:
-        if not torch.cuda.is_available():
-            raise CheckpointError("checkpoint holds CUDA RNG states but CUDA is not available here")
-        torch.cuda.set_rng_state_all(state["cuda"])
+        if device is None or device.type != "cuda":
+            raise CheckpointError("checkpoint holds a CUDA RNG state but this run is not on CUDA")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_rng_state(own_cuda_rng_state(state["cuda"], index), device)
     if "hpu" in state:
         hpu_random = _hpu_random_module()
         if hpu_random is None:
