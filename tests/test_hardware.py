@@ -76,6 +76,25 @@ def test_every_timed_product_ends_with_the_devices_wait(monkeypatch):
     assert len(waits) == hardware.MIN_REPEATS + 1  # the warm-up's and each timed product's
 
 
+def test_a_cuda_timing_spans_a_burst_of_products_and_the_cpus_one_product():
+    """On CUDA the launch and the synchronize cost about as much as one product of the measured shapes: a
+    timing spans CUDA_PRODUCTS_PER_TIMING products (the decision only: no GPU here)."""
+    assert hardware.products_per_timing(torch.device("cuda", 3)) == hardware.CUDA_PRODUCTS_PER_TIMING >= 16
+    assert hardware.products_per_timing(torch.device("cpu")) == 1
+    assert hardware.products_per_timing(torch.device("hpu")) == 1
+
+
+def test_a_timing_of_several_products_counts_each_once(monkeypatch):
+    """A timing of n products that the stand-in wait makes last n x 0.25 s gives the rate of one 0.25 s product."""
+    clock = [0.0]
+    monkeypatch.setattr(hardware, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(hardware, "products_per_timing", lambda device: 4)
+    monkeypatch.setattr(hardware, "wait_for", lambda device: lambda: clock.__setitem__(0, clock[0] + 4 * 0.25))
+    shape = (8, 16, 32)
+    assert hardware.measure_matmul_tflops(torch.device("cpu"), torch.float32, 0.0, shape) == \
+        2 * 8 * 16 * 32 / 0.25 / 1e12
+
+
 def test_the_wait_is_the_accelerators_own(monkeypatch):
     """CUDA waits with torch.cuda.synchronize on the run's device; the CPU has nothing to wait for."""
     synchronized = []
