@@ -275,9 +275,12 @@ check_finetuning_resume() {
 # the user, or a scheduler such as Slurm), its first G devices are named with `--include localhost:IDS` (which
 # excludes --num_nodes/--num_gpus). The runner takes only numeric indices there: other forms (GPU-/MIG- UUIDs)
 # are an error. With several servers every server's ranks get devices 0..G-1 (CUDA_VISIBLE_DEVICES is not
-# passed to the other servers).
+# passed to the other servers). RUNNER_ENV, the `env` prefix of the runner: with --include the runner starts
+# without CUDA_VISIBLE_DEVICES (launch.py sets it to the --include list for the ranks), or it would print that
+# it ignores the variable.
 resource_args() {
     RESOURCE_ARGS=(--num_nodes "$NUM_NODES" --num_gpus "$NGPU_PER_NODE")
+    RUNNER_ENV=()
     [[ "${HL_DEVICE:-hpu}" == cuda && -n "${CUDA_VISIBLE_DEVICES:-}" ]] && (( NUM_NODES == 1 )) || return 0
     local ids id
     IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
@@ -286,14 +289,15 @@ resource_args() {
         [[ "$id" =~ ^[0-9]+$ ]] || die "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: the deepspeed launcher takes devices by index only (e.g. 4,5,6,7), not '$id'"
     done
     RESOURCE_ARGS=(--include "localhost:$(IFS=,; echo "${ids[*]}")")
+    RUNNER_ENV=(env -u CUDA_VISIBLE_DEVICES)
 }
 
-# deepspeed RESOURCES --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...
-# (RESOURCES: resource_args, run by device_args)
+# [env -u VAR] deepspeed RESOURCES --no_local_rank --no_python RENDEZVOUS [env VAR=value...] /abs/python -u SCRIPT ARGS...
+# (RESOURCES and the first env: resource_args, run by device_args)
 launch_ranks() {
     mkdir -p "$RESULTS_DIR"
     cd "$REPO_ROOT" || exit 1
-    local command=(deepspeed "${LAUNCHER_ARGS[@]}" "${RESOURCE_ARGS[@]}" --no_local_rank --no_python
+    local command=("${RUNNER_ENV[@]}" deepspeed "${LAUNCHER_ARGS[@]}" "${RESOURCE_ARGS[@]}" --no_local_rank --no_python
                    "${RENDEZVOUS_ARGS[@]}" "${RANK_ENV[@]}" "$PYTHON" -u "$@")
     echo "${command[*]}"
     run_forwarding_signals "${command[@]}"

@@ -442,7 +442,7 @@ def test_fine_tuning_launchers_resume_and_refuse_checkpoints_of_other_weights(st
 
 def resource_args(**environ) -> subprocess.CompletedProcess:
     """launch_common.sh's resource_args (argument building only; no device is looked for) in `environ`."""
-    script = 'source scripts/launch_common.sh; resource_args; printf "%s\\n" "${RESOURCE_ARGS[@]}"'
+    script = 'source scripts/launch_common.sh; resource_args; printf "%s\\n" "${RUNNER_ENV[@]}" "${RESOURCE_ARGS[@]}"'
     return subprocess.run(["bash", "-c", script],
                           cwd=helpers.REPO_ROOT, env=dict(helpers.environ_without_rank(), **environ),
                           capture_output=True, text=True, timeout=60)
@@ -451,9 +451,9 @@ def resource_args(**environ) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("environ,expected", [
     # DeepSpeed 0.19.8's runner drops CUDA_VISIBLE_DEVICES when --num_gpus is given: the listed devices go in --include
     ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "4,5,6,7", "NGPU_PER_NODE": "4"},
-     ["--include", "localhost:4,5,6,7"]),
+     ["env", "-u", "CUDA_VISIBLE_DEVICES", "--include", "localhost:4,5,6,7"]),
     ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "6,7,0,1,2", "NGPU_PER_NODE": "3"},
-     ["--include", "localhost:6,7,0"]),
+     ["env", "-u", "CUDA_VISIBLE_DEVICES", "--include", "localhost:6,7,0"]),
     ({"HL_DEVICE": "cuda", "NGPU_PER_NODE": "8"}, ["--num_nodes", "1", "--num_gpus", "8"]),
     ({"HL_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "", "NGPU_PER_NODE": "8"}, ["--num_nodes", "1", "--num_gpus", "8"]),
     # several servers: the runner uses the hostfile's slots on every server (devices 0..G-1)
