@@ -22,7 +22,8 @@ as SKIP with the command that runs it. For each run it prints
   the torch profiler, which slows the run: there the sequences/s are not the driver's speed;
 - one verdict line per check, PASS or FAIL against the expected range printed with it.
 The expected ranges are our expectations, not measurements: we have measured none of this on a GPU or a
-Gaudi. A run the planner says does not fit the device is reported as SKIP. Exit status 1 if a check fails.
+Gaudi. A run the planner says does not fit the device is reported as SKIP; one still going after --run_timeout_s
+is stopped and reported as FAIL. Exit status 1 if a check fails.
 """
 
 import argparse
@@ -74,6 +75,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--modes", default="eager,compile", help="eager, compile or both (compile only where the "
                         "driver has --enable_torch_compile).")
     parser.add_argument("--steps", type=int, default=5, help="Optimizer steps per run (at least 2).")
+    parser.add_argument("--run_timeout_s", type=float, default=3600, help="Seconds each run may take, start-up "
+                        "and compilation included; a run still going then is stopped and its verdict is FAIL "
+                        "(0: no limit).")
     parser.add_argument("--work_dir", default=None, help="Sample data and run outputs (default: a temporary "
                         "directory, removed at the end).")
     parser.add_argument("--one_run", default=None, help=argparse.SUPPRESS)  # INDEX:MODE, in the child (run_in_child)
@@ -83,6 +87,8 @@ def parse_arguments(argv=None):
         parser.error(f"--modes takes {', '.join(MODES)} or both, comma-separated; got {args.modes!r}")
     if args.work_dir and Path(args.work_dir).exists() and not Path(args.work_dir).is_dir():
         parser.error(f"--work_dir {args.work_dir} exists and is not a directory")
+    if args.run_timeout_s < 0:
+        parser.error(f"--run_timeout_s must be 0 (no limit) or positive, got {args.run_timeout_s}")
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step is left out of the figures), got {args.steps}")
     return args
@@ -131,19 +137,27 @@ def run_directory(work_dir: Path, name: str, mode: str) -> Path:
     return work_dir / f"{name.replace(' ', '_').replace(',', '')}_{mode}"
 
 
+class TimedOut(float):
+    """run_in_child's result for a run stopped after --run_timeout_s (the value, in seconds)."""
+
+
 def run_in_child(args, work_dir: Path, index: int, mode: str, device_type: str):
-    """Run `index` of the list in `mode` in a process of its own; returns run_once's result, a SKIP line, or the
-    child's exit status (an int) when it failed. Its own process, because the driver's DeepSpeed engine
-    outlives run_pretraining.main (its hooks keep it alive): in one process every run would start with the
-    models and optimizer states of the runs before it on the device, which the allocator's peak counts, and
-    the full config could run out of memory on what the 2-layer runs left."""
+    """Run `index` of the list in `mode` in a process of its own; returns run_once's result, a SKIP line, the
+    child's exit status (an int) when it failed, or TimedOut when it ran past --run_timeout_s (a hang, say in a
+    collective or a compilation, must not hang the check: the child is killed). Its own process, because the
+    driver's DeepSpeed engine outlives run_pretraining.main (its hooks keep it alive): in one process every run
+    would start with the models and optimizer states of the runs before it on the device, which the allocator's
+    peak counts, and the full config could run out of memory on what the 2-layer runs left."""
     name = (TINY_RUNS if args.tiny else FULL_RUNS)[index][0]
     result_file = run_directory(work_dir, name, mode) / RESULT_FILE
     result_file.unlink(missing_ok=True)
     argv = [sys.executable, str(Path(__file__).resolve()), "--one_run", f"{index}:{mode}", "--steps", str(args.steps),
             "--work_dir", str(work_dir)]
     argv += ["--tiny"] * args.tiny + ["--use_hpu"] * args.use_hpu + ["--no_cuda"] * (device_type == "cpu")
-    status = subprocess.run(argv).returncode
+    try:
+        status = subprocess.run(argv, timeout=args.run_timeout_s or None).returncode
+    except subprocess.TimeoutExpired:  # subprocess.run has killed the child and waited for it
+        return TimedOut(args.run_timeout_s)
     if status != 0 or not result_file.exists():
         return status or 1
     result = json.loads(result_file.read_text())
@@ -266,6 +280,10 @@ def report(results: list, device_type: str, kind: str) -> bool:
         label = f"{name}, {mode}"
         if isinstance(result, str):
             print(result)
+            continue
+        if isinstance(result, TimedOut):
+            print(f"FAIL {label}: the run did not end within --run_timeout_s {result:g} s and was stopped")
+            ok = False
             continue
         if isinstance(result, int):
             print(f"FAIL {label}: the run exited with status {result} (its error is above)")

@@ -119,6 +119,20 @@ def test_a_run_that_fails_is_a_fail_verdict_and_the_next_runs_still_run(tmp_path
     assert [line.split(":")[0] for line in lines[1:]] == ["PASS tiny, compile"] * 3
 
 
+def test_a_run_past_its_time_limit_is_stopped_and_is_a_fail_verdict(tmp_path, capfd, monkeypatch):
+    """A run that hangs (on a new GPU server, say, in a collective or a compilation) must not hang the check: after
+    --run_timeout_s its process is killed and its verdict is FAIL. Here 0.5 s, less than the child's imports."""
+    first_run_env(monkeypatch)
+    first_run = load_first_run()
+    args = first_run.parse_arguments(["--tiny", "--no_cuda", "--steps", "2", "--work_dir", str(tmp_path),
+                                      "--run_timeout_s", "0.5"])
+    result = first_run.run_in_child(args, tmp_path, 0, "eager", "cpu")
+    assert isinstance(result, first_run.TimedOut) and result == 0.5
+    assert not first_run.report([("tiny", "eager", result)], "cpu", "tiny")
+    assert capfd.readouterr().out.splitlines() == [
+        "FAIL tiny, eager: the run did not end within --run_timeout_s 0.5 s and was stopped"]
+
+
 def test_each_verdict_states_its_expectation_in_the_units_of_its_figure(capsys):
     """The MFU is printed in percent, so is its range (it was a fraction: 'MFU 9.0% (expected 0.2 to 1)'),
     with the peak it is against and where that comes from (a datasheet or a measurement: an H200's is
