@@ -14,7 +14,10 @@ from training import hardware
                                          ("NVIDIA H100 NVL", None),  # not the SXM's 989: measured
                                          ("NVIDIA H200", None),  # no datasheet figure found to cite: measured
                                          ("NVIDIA A100-SXM4-80GB", 312.0), ("GAUDI", 60.0), ("GAUDI2", 432.0),
-                                         ("Gaudi 3", 1835.0), ("Tesla V100-SXM2-32GB", None), ("cpu", None)])
+                                         ("Gaudi 3", 1835.0), ("Tesla V100-SXM2-32GB", None), ("cpu", None),
+                                         # a MIG slice: a fraction of the GPU, not its datasheet figure
+                                         ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", None),
+                                         ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None)])
 def test_datasheet_peak_by_device_name(name, tflops):
     assert hardware.datasheet_tflops(name) == tflops
 

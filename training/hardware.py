@@ -51,7 +51,11 @@ def device_name(device: torch.device) -> str:
 
 
 def datasheet_tflops(name: str):
-    """The datasheet bf16 peak for a device name, or None (not in the table, or in it without a figure)."""
+    """The datasheet bf16 peak for a device name, or None (not in the table, or in it without a figure, or a MIG
+    slice of a GPU, e.g. "NVIDIA A100-SXM4-40GB MIG 3g.20gb": a fraction of the GPU's units, whose datasheet
+    figure is the whole GPU's)."""
+    if "mig" in name.lower().split():
+        return None
     lowered = name.lower().replace(" ", "")
     return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key in lowered), None)
 
