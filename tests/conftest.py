@@ -183,6 +183,24 @@ def every_cpu_thread():
 
 
 @pytest.fixture(autouse=True)
+def compile_settings_restored():
+    """torch.compile's settings (inductor's and dynamo's) as they were before the test. runtime.compile_model
+    sets inductor's fallback_random for the rest of its process, which is right for a training process; in
+    the suite an in-process compiled run (tests/test_compile.py) changed the settings, and with them inductor's
+    cache keys, of every later test file in its worker (pytest-xdist --dist loadfile): those ran compiled code
+    under other settings than alone or in another order. Only where the test session has imported torch."""
+    if "torch" not in sys.modules:
+        yield
+        return
+    import torch._dynamo.config
+    import torch._inductor.config
+    before = {config: config.get_config_copy() for config in (torch._inductor.config, torch._dynamo.config)}
+    yield
+    for config, values in before.items():
+        config.load_config({name: value for name, value in values.items() if getattr(config, name) != value})
+
+
+@pytest.fixture(autouse=True)
 def no_habana_bridge_left_behind():
     """The stand-in Habana bridge (tests/fake_habana) must not outlive the test that imported it: the driver
     treats an imported habana_frameworks as a Gaudi run (checkpointing saves the HPU RNG)."""

@@ -1,5 +1,6 @@
 """The test harness itself (tests/conftest.py): a session stopped by SIGTERM still tears its fixtures down; a session
-with another ATEN_CPU_CAPABILITY gets an inductor cache of its own."""
+with another ATEN_CPU_CAPABILITY gets an inductor cache of its own; a test's compile settings do not reach the next
+test file."""
 
 import os
 import signal
@@ -75,3 +76,41 @@ def test_a_session_with_another_cpu_capability_gets_its_own_inductor_cache(monke
     if expected and not expected.startswith("/"):
         expected = os.path.join(tempfile.gettempdir(), expected.format(user=getpass.getuser()))
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == expected
+
+
+COMPILING_TEST = """\
+import torch
+
+from training import runtime
+
+
+class Engine:  # stands in for a DeepSpeed engine: compile_model calls its compile()
+    def compile(self, backend, compile_kwargs):
+        pass
+
+
+def test_compiles():
+    runtime.compile_model(Engine(), "inductor", None)
+    assert torch._inductor.config.fallback_random
+"""
+
+LATER_TEST = """\
+import torch
+
+
+def test_sees_the_default():
+    import torch._inductor.config
+    assert torch._inductor.config.fallback_random is False
+"""
+
+
+def test_a_compiled_run_leaves_no_compile_setting_to_the_next_test_file(tmp_path):
+    """runtime.compile_model sets inductor's fallback_random for the rest of its process; in a session of
+    several files (one pytest-xdist worker) the next file must still see torch's default."""
+    (tmp_path / "test_a_compiles.py").write_text(COMPILING_TEST)
+    (tmp_path / "test_b_later.py").write_text(LATER_TEST)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(helpers.REPO_ROOT / "tests"), str(helpers.REPO_ROOT)]))
+    session = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                              "test_a_compiles.py", "test_b_later.py"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert session.returncode == 0 and "2 passed" in session.stdout, session.stdout[-3000:] + session.stderr[-2000:]
