@@ -37,19 +37,6 @@ def single_process_group():
     yield
 
 
-_ENGINES = []  # made by make_engine during the current test
-
-
-@pytest.fixture(autouse=True)
-def engines_destroyed():
-    """Every engine make_engine built is destroyed after its test: DeepSpeed's gradient hooks keep an engine,
-    its model and optimizer alive until destroy() (runtime.destroyed_on_exit), so each test left its engines
-    to every later test file of the worker (43 live engines after this file, counted with gc)."""
-    yield
-    while _ENGINES:
-        _ENGINES.pop().destroy()
-
-
 class TinyNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -73,7 +60,6 @@ def make_engine(seed: int, stage: int = 0, bf16: bool = False):
     warmup = torch.optim.lr_scheduler.LambdaLR
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            lr_scheduler=lambda opt: warmup(opt, lambda s: min(1.0, (s + 1) / 5)))
-    _ENGINES.append(engine)
     return engine
 
 
