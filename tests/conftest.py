@@ -2,6 +2,7 @@
 127.0.0.1 (moto_server); nothing reaches the network."""
 
 import collections
+import gc
 import itertools
 import os
 import signal
@@ -212,9 +213,18 @@ def engines_destroyed(monkeypatch):
     (tests/test_checkpointing.py), was left to every later test file of its worker (a one-process run of the
     default suite in CI order ended with 59 live engines, counted with gc: 43 of test_checkpointing.py, 12 of
     tests/test_driver.py's error cases). Only once the session has imported deepspeed (importing it here
-    would choose DeepSpeed's accelerator before the tests do)."""
+    would choose DeepSpeed's accelerator before the tests do).
+
+    Then a garbage collection finalizes them. Trap: DeepSpeed's own hooks and closures keep an engine in
+    reference cycles after destroy() too, so it is freed whenever the cyclic GC next runs: in a later test,
+    possibly inside torch.compile's tracing. DeepSpeedEngine.__del__ calls destroy() again, whose ZeRO loop calls
+    is_pinned on each optimizer state; under the trace's FakeTensorMode that real tensor raises, and the message
+    formats the whole tensor, about 10 us per element (24 s for a tiny-model engine): in CI
+    tests/test_compile.py::test_fine_tuning_compiled_follows_eager took 400 s instead of tens (docs/results.md)."""
     if "deepspeed" not in sys.modules:
         yield
+        if "deepspeed" in sys.modules:  # imported by this test: the engines it built went unrecorded
+            gc.collect()
         return
     import weakref
 
@@ -229,8 +239,11 @@ def engines_destroyed(monkeypatch):
 
     monkeypatch.setattr(deepspeed, "initialize", initialize_recorded)
     yield
-    for engine in filter(None, (ref() for ref in reversed(built))):
-        engine.destroy()
+    for ref in reversed(built):
+        if ref() is not None:  # no local name holds the engine: the collection below must find it unreachable
+            ref().destroy()
+    if built:
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)

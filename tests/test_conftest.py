@@ -1,6 +1,6 @@
 """The test harness itself (tests/conftest.py): a session stopped by SIGTERM still tears its fixtures down; a session
 with another ATEN_CPU_CAPABILITY gets an inductor cache of its own; a test's compile settings do not reach the next
-test file."""
+test file; a DeepSpeed engine a test built is finalized when that test ends."""
 
 import os
 import signal
@@ -113,4 +113,56 @@ def test_a_compiled_run_leaves_no_compile_setting_to_the_next_test_file(tmp_path
     session = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                               "test_a_compiles.py", "test_b_later.py"], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=300)
+    assert session.returncode == 0 and "2 passed" in session.stdout, session.stdout[-3000:] + session.stderr[-2000:]
+
+
+ENGINE_LEFT_BEHIND_TEST = """\
+import gc
+import weakref
+
+import torch
+
+from training import runtime
+{import_deepspeed}
+ENGINES = []
+
+
+def test_makes_an_engine_and_drops_it():
+    gc.disable()  # from here only deliberate collections: not one that happens to come before the next test
+    runtime.setup_device_and_distributed(use_hpu=False, no_cuda=True)
+    model = torch.nn.Linear(8, 8)
+    config = {{"train_micro_batch_size_per_gpu": 2, "bf16": {{"enabled": True}}, "zero_optimization": {{"stage": 1}},
+               "zero_allow_untested_optimizer": True}}
+    engine, _ = runtime.initialize_engine(model, config, torch.optim.AdamW(model.parameters()))
+    with runtime.destroyed_on_exit(engine):  # destroyed, as the driver destroys its own
+        engine.backward(engine(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum())
+        engine.step()
+    ENGINES.append(weakref.ref(engine))
+
+
+def test_the_engine_is_gone_when_the_next_test_starts():
+    alive = ENGINES[0]() is not None
+    gc.enable()
+    assert not alive
+"""
+
+
+@pytest.mark.parametrize("import_deepspeed", ["import deepspeed  # noqa: F401", ""],
+                         ids=["deepspeed_imported_at_collection", "deepspeed_imported_by_the_test"])
+def test_an_engine_a_test_built_is_finalized_when_that_test_ends(tmp_path, import_deepspeed):
+    """A bf16 ZeRO-1 engine, destroyed as the driver destroys its own, stays in DeepSpeed's reference cycles until a
+    collection: tests/conftest.py's engines_destroyed collects when the test that built it ends, so that the GC
+    never finalizes it inside a later test's torch.compile (docs/results.md: 400 s for the fine-tuning compile
+    test). The inner session turns automatic collection off; without that collection the engine is still alive
+    in the second test. Both where the session imported deepspeed before the test (a whole suite: at
+    collection) and where the test is the first to import it (its engines go unrecorded)."""
+    test_file = ENGINE_LEFT_BEHIND_TEST.format(import_deepspeed=import_deepspeed)
+    (tmp_path / "test_engine_left_behind.py").write_text(test_file)
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([str(helpers.REPO_ROOT / "tests"), str(helpers.REPO_ROOT)]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # the inner session is a world of one of its own
+    session = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                              "test_engine_left_behind.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
     assert session.returncode == 0 and "2 passed" in session.stdout, session.stdout[-3000:] + session.stderr[-2000:]
