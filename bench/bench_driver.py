@@ -20,6 +20,7 @@ init, DeepSpeed initialize and shard writing are outside the timed window. Print
 """
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -64,6 +65,9 @@ def time_driver(args, work: Path, compiled: bool = False) -> tuple:
               "--skip_checkpoint", "--disable_progress_bar", "--no_cuda", "--deepspeed",
               "--deepspeed_config", str(ds_config), "--max_steps", str(args.steps)]
     common += ["--enable_torch_compile"] if compiled else []
+    # The previous run's engine lives on in DeepSpeed's reference cycles: free it now, not when the collector
+    # next runs, which may be inside this run's compilation (its finalizer is slow under fake tensors).
+    gc.collect()
     cpu, train = {}, run_pretraining.train
 
     def timed_train(*train_args):
