@@ -1,7 +1,8 @@
 """What every DeepSpeed entry point (run_pretraining.py, run_glue.py, run_squad.py) needs, in one place.
 
 - `choose_accelerator` before DeepSpeed's first import, then `setup_device_and_distributed`: device,
-  backend and DeepSpeed's CPU traps; `seed_everything` (callers pass seed + global rank);
+  backend and DeepSpeed's CPU traps; a DS_ACCELERATOR that names another device is an InputError
+  (`check_accelerator_variable`); `seed_everything` (callers pass seed + global rank);
 - `initialize_engine`: deepspeed.initialize (the JSON is read and checked by common/deepspeed_config.py)
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
 - `add_compile_arguments`, `compile_backend`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
@@ -76,13 +77,42 @@ SWITCHES_EPILOG = "Flags without a value are switches: off unless given."
 
 # ============================================================================ device, backend, DeepSpeed traps
 
+def device_type(use_hpu: bool, no_cuda: bool, cuda_available: bool) -> str:
+    """The device setup_device_and_distributed uses: hpu with --use_hpu, else cuda when CUDA is available and
+    not --no_cuda, else cpu."""
+    if use_hpu:
+        return "hpu"
+    return "cuda" if cuda_available and not no_cuda else "cpu"
+
+
+def check_accelerator_variable(value: str | None, use_hpu: bool, no_cuda: bool, cuda_available: bool) -> None:
+    """A DS_ACCELERATOR (value; None: unset) that names another device than the run's is an InputError:
+    DeepSpeed takes it at its first import and puts the engine there, and the run would fail deep inside
+    (torch.cuda.set_device on a machine without CUDA, DeepSpeed's import without Habana's bridge)."""
+    device = device_type(use_hpu, no_cuda, cuda_available)
+    if value is None or value == device:
+        return
+    why = {"hpu": "--use_hpu", "cuda": "CUDA is available here",
+           "cpu": "--no_cuda" if no_cuda else "no CUDA device here"}[device]
+    flag = "--use_hpu" if value == "hpu" else "--no_cuda" if value == "cpu" and device == "cuda" else None
+    instead = f", or pass {flag} to run on {value}" if flag else ""
+    raise InputError(f"DS_ACCELERATOR={value} names another device than this run's, {device} ({why}): unset "
+                     f"DS_ACCELERATOR (the entry point sets it) or set it to {device}{instead}")
+
+
 def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
-    """DeepSpeed picks its accelerator when first imported: call this before that (a user's
-    DS_ACCELERATOR wins). The choice is setup_device_and_distributed's, so DeepSpeed agrees with the
-    device we use and has no fallback to warn about ('Setting accelerator to CPU' above --help)."""
+    """DeepSpeed picks its accelerator when first imported: call this before that. The choice is
+    setup_device_and_distributed's, so DeepSpeed agrees with the device we use and has no fallback to warn
+    about ('Setting accelerator to CPU' above --help); a user's DS_ACCELERATOR that names another device is
+    an InputError. With --use_hpu, setup_device_and_distributed checks it once Habana's bridge is imported:
+    without the bridge the run stops there anyway (and the tests take --use_hpu's earlier checks on the CPU,
+    with DS_ACCELERATOR=cpu)."""
     if use_hpu:
         os.environ.setdefault("DS_ACCELERATOR", "hpu")
-    elif no_cuda or not torch.cuda.is_available():
+        return
+    cuda_available = torch.cuda.is_available()
+    check_accelerator_variable(os.environ.get("DS_ACCELERATOR"), False, no_cuda, cuda_available)
+    if device_type(False, no_cuda, cuda_available) == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -97,14 +127,16 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", max(local_rank, 0)))
-    if use_hpu:
+    chosen = device_type(use_hpu, no_cuda, torch.cuda.is_available())
+    if chosen == "hpu":
         try:
             import habana_frameworks.torch.core  # registers the hpu device
             import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers hccl)
         except ImportError as err:
             raise InputError(f"--use_hpu needs the SynapseAI PyTorch bridge (habana_frameworks): {err}") from err
+        check_accelerator_variable(os.environ.get("DS_ACCELERATOR"), True, no_cuda, torch.cuda.is_available())
         device, backend = torch.device("hpu"), "hccl"
-    elif torch.cuda.is_available() and not no_cuda:
+    elif chosen == "cuda":
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
     else:

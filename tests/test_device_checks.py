@@ -1,0 +1,84 @@
+"""Bad device set-ups are one error line before any work (training/runtime.py): a DS_ACCELERATOR that names
+another device than the run's. The decisions are functions of their facts, tested here with those facts as
+arguments; what a CPU machine can reach is also run through the real entry points."""
+
+import importlib
+
+import pytest
+
+import helpers
+from common.errors import InputError
+from training import runtime
+
+# (DS_ACCELERATOR, use_hpu, no_cuda, cuda_available) -> the error line, or None where they agree
+ACCELERATOR_CASES = {
+    "unset": ((None, False, False, True), None),
+    "cuda_on_cuda": (("cuda", False, False, True), None),
+    "cpu_with_no_cuda": (("cpu", False, True, True), None),
+    "cpu_without_cuda": (("cpu", False, False, False), None),
+    "hpu_with_use_hpu": (("hpu", True, False, True), None),
+    "cuda_without_cuda": (("cuda", False, False, False),
+                          "DS_ACCELERATOR=cuda names another device than this run's, cpu (no CUDA device here): "
+                          "unset DS_ACCELERATOR (the entry point sets it) or set it to cpu"),
+    "cuda_with_no_cuda": (("cuda", False, True, True),
+                          "DS_ACCELERATOR=cuda names another device than this run's, cpu (--no_cuda): "
+                          "unset DS_ACCELERATOR (the entry point sets it) or set it to cpu"),
+    "cpu_on_cuda": (("cpu", False, False, True),
+                    "DS_ACCELERATOR=cpu names another device than this run's, cuda (CUDA is available here): "
+                    "unset DS_ACCELERATOR (the entry point sets it) or set it to cuda, or pass --no_cuda to run "
+                    "on cpu"),
+    "hpu_without_use_hpu": (("hpu", False, False, True),
+                            "DS_ACCELERATOR=hpu names another device than this run's, cuda (CUDA is available "
+                            "here): unset DS_ACCELERATOR (the entry point sets it) or set it to cuda, or pass "
+                            "--use_hpu to run on hpu"),
+    "cpu_with_use_hpu": (("cpu", True, False, False),
+                         "DS_ACCELERATOR=cpu names another device than this run's, hpu (--use_hpu): "
+                         "unset DS_ACCELERATOR (the entry point sets it) or set it to hpu"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCELERATOR_CASES))
+def test_ds_accelerator_must_name_the_device_of_the_run(case):
+    facts, expected = ACCELERATOR_CASES[case]
+    if expected is None:
+        runtime.check_accelerator_variable(*facts)
+        return
+    with pytest.raises(InputError) as raised:
+        runtime.check_accelerator_variable(*facts)
+    assert str(raised.value) == expected
+
+
+@pytest.mark.parametrize("value", ["cuda", "hpu"])
+def test_pretraining_with_a_ds_accelerator_of_another_device_is_one_error_line(tmp_path, tiny_shards, value):
+    """`DS_ACCELERATOR=cuda python run_pretraining.py ...` on this CPU machine failed with a traceback from
+    torch.cuda.set_device inside deepspeed.initialize, and DS_ACCELERATOR=hpu without --use_hpu with one from
+    DeepSpeed's import (no habana_frameworks): now one line, before anything is written."""
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json")
+    output_dir = tmp_path / "out"
+    argv = helpers.driver_argv(tiny_shards, output_dir, ds_config, no_cuda=False, max_steps=1)
+    result = helpers.run_single_process(argv, env=helpers.launcher_env(DS_ACCELERATOR=value))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"error: DS_ACCELERATOR={value} names another device than this run's, cpu (no CUDA device here): unset "
+        f"DS_ACCELERATOR (the entry point sets it) or set it to cpu"
+        f"{', or pass --use_hpu to run on hpu' if value == 'hpu' else ''} [no restart]"], result.stderr[-3000:]
+    assert not output_dir.exists() and not (tmp_path / "dllogger.json").exists()
+
+
+@pytest.mark.parametrize("entry_point", ["run_glue", "run_squad"])
+def test_fine_tuning_with_a_ds_accelerator_of_another_device_is_one_error_line(tmp_path, capsys, monkeypatch,
+                                                                               entry_point):
+    """The fine-tuning entry points pick the accelerator through finetune/finetuning.py's parse_arguments, which
+    calls the same runtime.choose_accelerator: the same line, before any input file is read (these do not
+    exist)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    missing = tmp_path / "missing"
+    argv = ["--no_cuda", "--do_train", "--init_checkpoint", str(missing), "--vocab_file", str(missing),
+            "--output_dir", str(tmp_path / "out")]
+    argv += (["--task_name", "MRPC", "--data_dir", str(missing)] if entry_point == "run_glue"
+             else ["--train_file", str(missing)])
+    assert importlib.import_module(entry_point).cli(argv) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: DS_ACCELERATOR=cuda names another device than this run's, cpu (--no_cuda): unset DS_ACCELERATOR "
+        "(the entry point sets it) or set it to cpu"]
+    assert not (tmp_path / "out").exists()
