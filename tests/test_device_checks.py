@@ -1,6 +1,7 @@
 """Bad device set-ups are one error line before any work (training/runtime.py): a DS_ACCELERATOR that names
-another device than the run's. The decisions are functions of their facts, tested here with those facts as
-arguments; what a CPU machine can reach is also run through the real entry points."""
+another device than the run's, more processes on a server than it has CUDA devices. The decisions are
+functions of their facts, tested here with those facts as arguments; what a CPU machine can reach is also run
+through the real entry points."""
 
 import importlib
 
@@ -9,6 +10,17 @@ import pytest
 import helpers
 from common.errors import InputError
 from training import runtime
+
+
+def assert_decision(check, facts: tuple, expected: str | None) -> None:
+    """check(*facts) passes when expected is None, else raises InputError with exactly that message."""
+    if expected is None:
+        check(*facts)
+        return
+    with pytest.raises(InputError) as raised:
+        check(*facts)
+    assert str(raised.value) == expected
+
 
 # (DS_ACCELERATOR, use_hpu, no_cuda, cuda_available) -> the error line, or None where they agree
 ACCELERATOR_CASES = {
@@ -39,13 +51,7 @@ ACCELERATOR_CASES = {
 
 @pytest.mark.parametrize("case", sorted(ACCELERATOR_CASES))
 def test_ds_accelerator_must_name_the_device_of_the_run(case):
-    facts, expected = ACCELERATOR_CASES[case]
-    if expected is None:
-        runtime.check_accelerator_variable(*facts)
-        return
-    with pytest.raises(InputError) as raised:
-        runtime.check_accelerator_variable(*facts)
-    assert str(raised.value) == expected
+    assert_decision(runtime.check_accelerator_variable, *ACCELERATOR_CASES[case])
 
 
 @pytest.mark.parametrize("value", ["cuda", "hpu"])
@@ -82,3 +88,23 @@ def test_fine_tuning_with_a_ds_accelerator_of_another_device_is_one_error_line(t
         "error: DS_ACCELERATOR=cuda names another device than this run's, cpu (--no_cuda): unset DS_ACCELERATOR "
         "(the entry point sets it) or set it to cpu"]
     assert not (tmp_path / "out").exists()
+
+
+# (LOCAL_RANK, processes on the server, visible CUDA devices) -> the error line, or None where they fit
+CUDA_DEVICE_CASES = {
+    "one_per_device": ((3, 4, 4), None),
+    "fewer_than_devices": ((0, 2, 8), None),
+    "no_launcher": ((0, 1, 1), None),
+    "more_processes_than_devices": ((0, 4, 2), "4 processes on this server, one per CUDA device, but 2 visible "
+                                    "CUDA device(s): start at most 2 processes per server (torchrun "
+                                    "--nproc_per_node, deepspeed --num_gpus)"),
+    "rank_beyond_devices_without_a_count": ((2, 1, 2), "LOCAL_RANK 2 takes CUDA device 2, but this server has 2 "
+                                            "visible CUDA device(s): start at most 2 processes per server "
+                                            "(torchrun --nproc_per_node, deepspeed --num_gpus)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CUDA_DEVICE_CASES))
+def test_each_process_of_a_server_needs_a_cuda_device_of_its_own(case):
+    """What setup_device_and_distributed checks before torch.cuda.set_device (no CUDA here to run it on)."""
+    assert_decision(runtime.check_cuda_devices, *CUDA_DEVICE_CASES[case])

@@ -137,6 +137,7 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
         check_accelerator_variable(os.environ.get("DS_ACCELERATOR"), True, no_cuda, torch.cuda.is_available())
         device, backend = torch.device("hpu"), "hccl"
     elif chosen == "cuda":
+        check_cuda_devices(local_rank, local_world_size(), torch.cuda.device_count())
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
     else:
@@ -296,10 +297,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_world_size() -> int:
+    """The processes on this server, as the deepspeed launcher (LOCAL_SIZE) or torchrun (LOCAL_WORLD_SIZE) set
+    it; 1 without a launcher."""
+    return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def check_cuda_devices(local_rank: int, local_ranks: int, device_count: int) -> None:
+    """Each process takes the CUDA device of its LOCAL_RANK, and torch.cuda.set_device raised for one beyond
+    the server's devices (e.g. torchrun --nproc_per_node above the GPU count): an InputError instead. It is
+    found from the local process count on every rank of the server, so that its local rank 0 prints it
+    (run_cli). Where no launcher gave that count only the rank itself finds it, and exits 1 without the line
+    (run_cli prints a server's InputError from its local rank 0 alone)."""
+    if local_ranks > device_count:
+        what = f"{local_ranks} processes on this server, one per CUDA device, but {device_count} visible"
+    elif local_rank >= device_count:
+        what = f"LOCAL_RANK {local_rank} takes CUDA device {local_rank}, but this server has {device_count} visible"
+    else:
+        return
+    raise InputError(f"{what} CUDA device(s): start at most {device_count} processes per server (torchrun "
+                     "--nproc_per_node, deepspeed --num_gpus)")
+
+
 def _share_cores_between_local_ranks():
     """Trap: the deepspeed launcher does not set OMP_NUM_THREADS, so N ranks on one machine would each
     use every core (measured 20-30x slower steps with 2 ranks on 2 cores). Respect a user's setting."""
-    local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local_ranks = local_world_size()
     if "OMP_NUM_THREADS" not in os.environ and local_ranks > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
