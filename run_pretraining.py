@@ -796,7 +796,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     """main after validation: the one place that reads the flags for the run (device, logger, engine, resume,
     Run) and hands the functions below their values."""
     device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
-                                                  args.collective_timeout_s, stop_event)
+                                                  args.collective_timeout_s, stop_event, ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     check_same_shards_on_every_rank(data, args.input_dir)
     runtime.seed_everything(args.seed + rank)

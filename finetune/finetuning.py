@@ -325,7 +325,7 @@ class Session:
 def start(args, ds_config: dict | None, name: str) -> Session:
     """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters; the Session holds
     the values of the flags that train() and predict() follow."""
-    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank, ds_config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime.seed_everything(args.seed + rank)
     # A resumed run adds to the interrupted one's records, as run_pretraining.py does.

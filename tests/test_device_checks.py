@@ -1,7 +1,7 @@
 """Bad device set-ups are one error line before any work (training/runtime.py): a DS_ACCELERATOR that names
-another device than the run's, more processes on a server than it has CUDA devices. The decisions are
-functions of their facts, tested here with those facts as arguments; what a CPU machine can reach is also run
-through the real entry points."""
+another device than the run's, more processes on a server than it has CUDA devices, bf16 on a CUDA device
+without it (training/hardware.py). The decisions are functions of their facts, tested here with those facts
+as arguments; what a CPU machine can reach is also run through the real entry points."""
 
 import importlib
 
@@ -9,7 +9,7 @@ import pytest
 
 import helpers
 from common.errors import InputError
-from training import runtime
+from training import hardware, runtime
 
 
 def assert_decision(check, facts: tuple, expected: str | None) -> None:
@@ -108,3 +108,20 @@ CUDA_DEVICE_CASES = {
 def test_each_process_of_a_server_needs_a_cuda_device_of_its_own(case):
     """What setup_device_and_distributed checks before torch.cuda.set_device (no CUDA here to run it on)."""
     assert_decision(runtime.check_cuda_devices, *CUDA_DEVICE_CASES[case])
+
+
+V100 = "Tesla V100-SXM2-32GB (compute capability 7.0)"
+# (bf16.enabled, the device's bf16 support without emulation, the device) -> the error line, or None
+BF16_CASES = {
+    "bf16_where_supported": ((True, True, "NVIDIA H100 80GB HBM3 (compute capability 9.0)"), None),
+    "fp32_without_bf16": ((False, False, V100), None),
+    "bf16_without_bf16": ((True, False, V100), f"bf16.enabled is true in the --deepspeed_config JSON, but {V100} "
+                          "has no bf16 support"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_bf16_needs_a_device_with_bf16(case):
+    """What setup_device_and_distributed checks on a CUDA device, before the rendezvous and the engine (no
+    CUDA here to run it on)."""
+    assert_decision(hardware.check_bf16_support, *BF16_CASES[case])

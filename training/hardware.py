@@ -1,5 +1,5 @@
-"""What the device a rank runs on can do: its matrix-multiply peak (for MFU) and its memory (for the
-memory check). Knows torch and the device, nothing of the model.
+"""What the device a rank runs on can do: its matrix-multiply peak (for MFU), its memory (for the memory
+check) and whether it has bf16 (check_bf16_support). Knows torch and the device, nothing of the model.
 
 Peak: --peak_tflops when given; else, for a bf16 run on a known Gaudi or NVIDIA device, the vendor's
 datasheet dense bf16 figure; else (the CPU, an unknown device, or a run that is not bf16) a short
@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from common.errors import InputError
 from training import gaudi
 
 # Dense bf16 TFLOP/s from the vendors' datasheets, matched against the device name, most specific first.
@@ -48,6 +49,14 @@ def device_name(device: torch.device) -> str:
     if device.type == "hpu":
         return str(torch.hpu.get_device_name())
     return "cpu"
+
+
+def check_bf16_support(bf16: bool, supported: bool, device: str) -> None:
+    """A bf16 run (the DeepSpeed JSON's bf16.enabled) on a device without bf16 arithmetic (supported: torch's
+    answer without emulation, False on a V100) is an InputError, before the engine is built. `device` names it
+    in the message."""
+    if bf16 and not supported:
+        raise InputError(f"bf16.enabled is true in the --deepspeed_config JSON, but {device} has no bf16 support")
 
 
 def datasheet_tflops(name: str):

@@ -2,7 +2,9 @@
 
 - `choose_accelerator` before DeepSpeed's first import, then `setup_device_and_distributed`: device,
   backend and DeepSpeed's CPU traps; a DS_ACCELERATOR that names another device is an InputError
-  (`check_accelerator_variable`); `seed_everything` (callers pass seed + global rank);
+  (`check_accelerator_variable`), as are more processes on a server than CUDA devices (`check_cuda_devices`) and
+  bf16 on a CUDA device without it (`hardware.check_bf16_support`); `seed_everything` (callers pass seed + global
+  rank);
 - `initialize_engine`: deepspeed.initialize (the JSON is read and checked by common/deepspeed_config.py)
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
 - `add_compile_arguments`, `compile_backend`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from common.errors import NO_RESTART_MARK, HostInputError, InputError, InputErrorOnEveryRank, one_line
 from common.storage import WRITE_PROBE_PREFIX
 from modeling import TRANSFORMERS_ONLY_KEYS
-from training import gaudi
+from training import gaudi, hardware, sizing
 
 try:
     import dllogger
@@ -118,11 +120,13 @@ def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
 
 def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1,
                                  collective_timeout_s: float = 1800,
-                                 stop_event: threading.Event | None = None) -> torch.device:
+                                 stop_event: threading.Event | None = None,
+                                 ds_config: dict | None = None) -> torch.device:
     """The only place that touches backends, environment variables and DeepSpeed's CPU traps. A collective
     that waits longer than collective_timeout_s (a rank died or stalled) raises instead of hanging. A stop
     (SIGINT/SIGTERM, or stop_event already set) while waiting for the other ranks ends the process within
-    seconds (stop_ends_rendezvous)."""
+    seconds (stop_ends_rendezvous). ds_config: the run's DeepSpeed settings (None: no training), whose bf16 a
+    CUDA device must support; checked with the device set-up, before the rendezvous, on every rank."""
     if "RANK" not in os.environ:  # started without a launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
@@ -140,6 +144,10 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
         check_cuda_devices(local_rank, local_world_size(), torch.cuda.device_count())
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        hardware.check_bf16_support(ds_config is not None and sizing.bf16_enabled(ds_config),
+                                    torch.cuda.is_bf16_supported(including_emulation=False),
+                                    f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})")
     else:
         device, backend = torch.device("cpu"), "gloo"
         _share_cores_between_local_ranks()
