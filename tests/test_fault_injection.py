@@ -123,7 +123,7 @@ def run_once(argv, kill, time_to_first_line):
     reader.start()
 
     def held():
-        return bool(lines) and lines[-1].startswith(HOLD_LINE)
+        return bool(lines) and HOLD_LINE in lines[-1]  # after any partial line of another thread
 
     try:
         with changed:

@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,7 +78,10 @@ def _hold_before(function, should_hold):
     outside kill may land: the run cannot end before it)."""
     def wrapper(*args, **kwargs):
         if should_hold():
-            print(HOLD_LINE, flush=True)
+            # One write(2), not print's two (text, then newline): a pipe takes a write of up to PIPE_BUF
+            # bytes whole, so the other rank's output, in the same pipe, cannot split the line.
+            sys.stdout.flush()
+            os.write(sys.stdout.fileno(), f"{HOLD_LINE}\n".encode())
             while True:
                 time.sleep(3600)
         return function(*args, **kwargs)
@@ -195,24 +199,53 @@ def ranks_of(process: subprocess.Popen) -> list:
     return sorted(ranks, key=lambda pair: pair[0])
 
 
+def stop_hung(process: subprocess.Popen) -> str:
+    """Ends a run that hangs, SIGKILL to its process group, after each rank has printed its threads' stacks
+    into the output (the wrapper below registers SIGUSR1 for faulthandler): a hang is rare and unreadable
+    after the fact. One rank after the other: dumps written at the same time into the shared pipe
+    interleave character by character. Returns the ranks in the order of their dumps, for the message."""
+    ranks = ranks_of(process)
+    for _, rank in ranks:
+        with contextlib.suppress(psutil.Error):
+            rank.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+    os.killpg(process.pid, signal.SIGKILL)
+    return ", ".join(f"rank {number} (pid {rank.pid})" for number, rank in ranks) or "no rank found"
+
+
+def hang_failure(what: str, timeout: float, order: str, output: str):
+    pytest.fail(f"driver did not {what} within {timeout} s; the thread stacks at the end are those of "
+                f"{order}, in this order:\n{output[-16000:]}")
+
+
 def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # A hang is rare and unreadable after the fact: each rank first prints its threads' stacks (the
-        # wrapper below registers SIGUSR1 for faulthandler), one rank after the other: dumps written at the
-        # same time into the shared pipe interleave character by character.
-        ranks = ranks_of(process)
-        for _, rank in ranks:
-            with contextlib.suppress(psutil.Error):
-                rank.send_signal(signal.SIGUSR1)
-            time.sleep(2)
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        order = ", ".join(f"rank {number} (pid {rank.pid})" for number, rank in ranks)
-        pytest.fail(f"driver did not finish within {timeout} s; the thread stacks at the end are those of "
-                    f"{order or 'no rank found'}, in this order:\n{output[-16000:]}")
+        order = stop_hung(process)
+        hang_failure("finish", timeout, order, process.communicate()[0])
     return process.returncode, output
+
+
+def output_until(process: subprocess.Popen, reached, timeout=300) -> str:
+    """The run's output up to the first line after which reached(output so far) holds, or to its end. A run
+    that neither gets there nor ends within `timeout` s fails the test, with its ranks' stacks, instead of
+    hanging it."""
+    stopped = []
+    guard = threading.Timer(timeout, lambda: stopped.append(stop_hung(process)))
+    guard.start()
+    output = ""
+    try:
+        for line in process.stdout:
+            output += line
+            if reached(output):
+                break
+    finally:
+        guard.cancel()
+        guard.join()
+    if stopped:
+        hang_failure("get there (or end)", timeout, stopped[0], output + process.communicate()[0])
+    return output
 
 
 def run(argv, world, kill=None, expect=0) -> str:
@@ -532,14 +565,10 @@ def test_preemption_saves_and_resumes_exactly(tmp_path, shards, references, targ
     world, stage, bf16, steps = 2, 1, True, 24
     config, out = ds_config(tmp_path, stage, bf16, world), tmp_path / "out"
     process = start(driver_args(shards, out, config, tmp_path / "a.json", steps), world)
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if "Training Iteration: 3 " in line:
-            break
+    seen = output_until(process, lambda output: "Training Iteration: 3 " in output)
     send_sigterm(process, target)
     status, rest = finish(process)
-    output = "".join(seen) + rest
+    output = seen + rest
     stopped = re.search(r"stopping after step (\d+)", output)
     assert stopped and 3 <= int(stopped.group(1)) < steps, output[-3000:]
     stopped = int(stopped.group(1))
@@ -592,11 +621,7 @@ def test_a_hung_run_shows_each_rank_stacks_whole(tmp_path, shards):
     the shared pipe interleave character by character), in the order it names."""
     config = ds_config(tmp_path, 1, True, 2)
     process = start(driver_args(shards, tmp_path / "out", config, tmp_path / "a.json", 4), 2, kill="hold:1")
-    held = 0
-    for line in process.stdout:
-        held += line.startswith(HOLD_LINE)
-        if held == 2:
-            break
+    output_until(process, lambda output: output.count(HOLD_LINE) == 2)
     with pytest.raises(pytest.fail.Exception) as failure:
         finish(process, timeout=1)
     message = str(failure.value)
