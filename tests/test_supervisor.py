@@ -6,6 +6,7 @@ the real thing across three namespace hosts (tests/multihost.py: sshd, pdsh, the
 """
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -18,6 +19,7 @@ import time
 import pytest
 
 import helpers
+from common.errors import NO_RESTART_MARK
 from test_multihost import SCRIPT_32X, launcher_env, make_job, wait_for
 from test_resume import last_shard_of_first_epoch
 from training import supervisor
@@ -84,6 +86,29 @@ def test_output_watcher_takes_the_first_error_and_the_last_checkpoint():
 LAUNCHER_EXIT = ("10.0.0.2: [2026-11-27 01:00:00,000] [ERROR] [launch.py:259:sigkill_handler] "
                  "['/venv/bin/python', '-u', './run_pretraining.py'] exits with return code = {}")
 PDSH_EXIT = "pdsh@n1: 10.0.0.3: ssh exited with exit code {}"
+
+
+def test_error_lines_of_ranks_writing_at_once_stay_whole_for_the_supervisor():
+    """Two unbuffered processes (as the deepspeed launcher starts ranks) each print the same final error line
+    20,000 times, from the same instant, into one pipe: every line the supervisor reads is that error line,
+    mark included. With print() instead of runtime.print_error_line, 4,123 of 40,000 lines held two texts in
+    a scratch run."""
+    text = f"--input_dir /data: no shards{NO_RESTART_MARK}"
+    start_at = time.time() + 10  # both have imported torch by then
+    code = (f"import time\nfrom training.runtime import print_error_line\nwhile time.time() < {start_at}: pass\n"
+            f"for _ in range(20000): print_error_line({text!r})")
+    read_end, write_end = os.pipe()
+    ranks = [subprocess.Popen([sys.executable, "-u", "-c", code], stderr=write_end, env=helpers.checkout_env(),
+                              cwd=helpers.REPO_ROOT) for _ in range(2)]
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        lines = pipe.read().splitlines()
+    assert [rank.wait() for rank in ranks] == [0, 0]
+    watcher = supervisor.OutputWatcher()
+    for line in lines:
+        watcher.note(line)
+    assert watcher.final == text.removesuffix(NO_RESTART_MARK)
+    assert len(lines) == 40000 and set(lines) == {f"error: {text}"}, sorted(set(lines), key=len)[-1][:300]
 
 
 def test_a_failed_rank_without_an_error_line_is_the_reason_and_an_error_line_wins():

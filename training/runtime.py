@@ -646,6 +646,14 @@ def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: boo
 
 # ============================================================================ command line
 
+def print_error_line(text: str) -> None:
+    """`error: <text>` on stderr in one write. The deepspeed launcher runs its ranks unbuffered (`python -u`),
+    where print() writes a text and its newline apart: another rank's output in the shared pipe could land
+    between them and hide the line, and its NO_RESTART_MARK, from training/supervisor.py (ERROR_LINE)."""
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()
+
+
 def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     """main(argv) with one clear error line and exit status 1 for `errors` (plus InputError) instead of a
     traceback. The ranks of one host meet the same bad input: its first local rank prints it, and on another
@@ -662,16 +670,16 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
         if rank == "0" or not isinstance(err, InputError):
-            print(f"error: {err}{mark}", file=sys.stderr, flush=True)
+            print_error_line(f"{err}{mark}")
         elif local_rank == "0":
-            print(f"error: rank {rank} on {socket.gethostname()}: {err}{mark}", file=sys.stderr, flush=True)
+            print_error_line(f"rank {rank} on {socket.gethostname()}: {err}{mark}")
         status = 1
     except (RuntimeError, dist.DistError) as err:
         message = describe_collective_failure(err)
         if message is None:
             raise
         # The process group is broken: leave at once (its teardown could wait on the dead peer).
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print_error_line(message)
         sys.stdout.flush()
         os._exit(1)
     if dist.is_available() and dist.is_initialized() and leave_together:
