@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 import helpers
 from data.shard_format import read_shard_header
+from test_resume import finish, output_until
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results.md"
@@ -123,37 +123,36 @@ def stale_figures(measured: dict, quotes: dict) -> list:
             if f"{measured[key]:.{len(text.split('.')[1])}f}" != text]
 
 
-def run_demo(tmp_path, **settings):
+def start_demo(tmp_path, **settings) -> subprocess.Popen:
+    """The demo's script in a process group of its own, stdout and stderr together in one pipe."""
     # PYTHONPATH: the demo's processes import this checkout as the suite does, and setup_venv.sh, finding the
     # project importable, leaves the environment as it is (no editable install into the suite's environment).
     env = dict(helpers.checkout_env(), VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"),
                MASTER_PORT=str(helpers.free_port()), **settings)
-    run = subprocess.run(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run
+    return subprocess.Popen(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_demo(tmp_path, **settings) -> subprocess.CompletedProcess:
+    """The demo to its end; its output, stdout and stderr together. A run still going after finish's 300 s
+    (the test's four runs take 2-3 minutes in all here) fails the test, with its output, and is killed with
+    its ranks (a timeout of subprocess.run would kill the script alone and leave them running)."""
+    process = start_demo(tmp_path, **settings)
+    status, output = finish(process)
+    assert status == 0, output[-6000:]
+    return subprocess.CompletedProcess(process.args, status, output)
 
 
 def sigterm_demo_once_training(tmp_path, **settings) -> subprocess.CompletedProcess:
     """run_demo's command, SIGTERM to the script itself at its first logged training window; its status and
     output (stdout and stderr together)."""
-    env = dict(helpers.checkout_env(), VENV=sys.prefix, RESULTS_DIR=str(tmp_path / "results"),
-               MASTER_PORT=str(helpers.free_port()), **settings)
-    process = subprocess.Popen(["bash", str(REPO / "scripts" / "run_bert_tiny_cpu.sh")], env=env, cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    guard = threading.Timer(600, os.killpg, (process.pid, signal.SIGKILL))  # hang guard only
-    guard.start()
+    process = start_demo(tmp_path, **settings)
     try:
-        output = []
-        for line in process.stdout:
-            output.append(line)
-            if "Training Iteration" in line:
-                process.send_signal(signal.SIGTERM)
-                break
-        output.extend(process.stdout)
-        return subprocess.CompletedProcess(process.args, process.wait(), "".join(output))
+        output = output_until(process, lambda text: "Training Iteration" in text)
+        process.send_signal(signal.SIGTERM)
+        status, rest = finish(process)
+        return subprocess.CompletedProcess(process.args, status, output + rest)
     finally:
-        guard.cancel()
         with contextlib.suppress(ProcessLookupError):  # whatever is left if an assertion failed
             os.killpg(process.pid, signal.SIGKILL)
 

@@ -32,6 +32,7 @@ from test_resume import (
     driver_args,
     ds_config,
     finish,
+    output_until,
     start,
     step_losses,
 )
@@ -167,7 +168,7 @@ def test_twenty_random_kills_then_same_result(tmp_path, monkeypatch):
     per_save = calls_per_save(tmp_path, data, config, monkeypatch)
     started = time.monotonic()
     process = start(driver_args(data, tmp_path / "ref", config, tmp_path / "ref.json", TARGET_STEPS), 1)
-    first_line = process.stdout.readline()
+    first_line = output_until(process, lambda _: True)  # its first line, or its stacks if it hangs before
     time_to_first_line = time.monotonic() - started
     status, reference = finish(process)
     reference = first_line + reference

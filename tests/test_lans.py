@@ -359,13 +359,15 @@ def split_like_zero(tensors, world, alignment=2):
 
 class FakeAllReduce:
     """Sums a tensor over `world` threads in place: each adds its copy, all wait, all read the sum;
-    the last to finish reading clears the sum for the next call (a barrier action)."""
+    the last to finish reading clears the sum for the next call (a barrier action). A rank that makes fewer
+    calls than the others leaves them waiting: after 120 s their wait raises BrokenBarrierError (a test
+    failure, not a hang: the ranks' calls come seconds apart at most, compilation included)."""
 
     def __init__(self, world):
         import threading
         self.lock, self.total, self.calls = threading.Lock(), None, 0
-        self.added = threading.Barrier(world)
-        self.read = threading.Barrier(world, action=self._clear)
+        self.added = threading.Barrier(world, timeout=120)
+        self.read = threading.Barrier(world, action=self._clear, timeout=120)
 
     def _clear(self):
         self.total = None
