@@ -10,6 +10,7 @@ import pytest
 
 import helpers
 import run_pretraining as rp
+from test_resume import finish
 
 pytestmark = pytest.mark.slow
 
@@ -61,18 +62,24 @@ def test_data_parallel_equivalence(tmp_path, tiny_shards, stage, optimizer):
     assert max(abs(a - b) for a, b in zip(single, double)) < 1e-5, (single, double)
 
 
-def run_ranks_with_own_argv(argvs, timeout=600, expect_status=0) -> list:
+def run_ranks_with_own_argv(argvs, timeout=300, expect_status=0) -> list:
     """One `python run_pretraining.py argv` per rank, with the rank variables the launcher would set: unlike
     the launcher, this lets each rank have its own flags (here, its own copy of the data). Returns the ranks'
-    outputs (stdout and stderr together), once each has exited with expect_status."""
+    outputs (stdout and stderr together), once each has exited with expect_status. A rank still running after
+    `timeout` s fails the test with its output (test_resume's finish), and every rank is killed."""
     port, procs = helpers.free_port(), []
     for rank, argv in enumerate(argvs):
         env = helpers.launcher_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(argvs)),
                                    LOCAL_SIZE=str(len(argvs)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"),
                                        *map(str, argv)], cwd=helpers.REPO_ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        outputs = [finish(proc, timeout)[1] for proc in procs]
+    finally:
+        for proc in procs:  # the ranks after the one that did not finish
+            if proc.poll() is None:
+                proc.kill()
     for proc, output in zip(procs, outputs):
         assert proc.returncode == expect_status, output[-3000:]
     return outputs
