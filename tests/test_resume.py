@@ -12,6 +12,7 @@ SIGKILLs the process at the n-th <event> (see KILL_EVENTS; "hold" instead stops 
 outside), then runs the driver unchanged.
 """
 
+import codecs
 import contextlib
 import errno
 import faulthandler
@@ -228,17 +229,19 @@ def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
 
 
 def output_until(process: subprocess.Popen, reached, timeout=300) -> str:
-    """The run's output up to the first line after which reached(output so far) holds, or to its end. A run
+    """The run's output as far as it has come when reached(output so far) first holds, or to its end. A run
     that neither gets there nor ends within `timeout` s fails the test, with its ranks' stacks, instead of
-    hanging it."""
+    hanging it. It reads the pipe itself, as finish's communicate() does after it: reading through
+    process.stdout would leave text read ahead in that object's buffer, which communicate() never sees."""
     stopped = []
     guard = threading.Timer(timeout, lambda: stopped.append(stop_hung(process)))
     guard.start()
-    output = ""
+    decoder, output = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
     try:
-        for line in process.stdout:
-            output += line
-            if reached(output):
+        while not reached(output):
+            chunk = os.read(process.stdout.fileno(), 65536)
+            output += decoder.decode(chunk, final=not chunk)
+            if not chunk:
                 break
     finally:
         guard.cancel()
@@ -612,6 +615,17 @@ def test_disk_full_on_one_rank_stops_every_rank_cleanly(tmp_path, shards):
 # The lines of faulthandler's dumps: a thread's header, a frame, or the empty line between threads.
 STACK_LINE = re.compile(r'(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$'
                         r'|  File ".*", line \d+ in \S+$|$')
+
+
+def test_output_read_up_to_a_line_and_then_to_the_end_loses_none():
+    """output_until, then finish: every line once, also those that came in the same read as the awaited one
+    (reading through process.stdout lost "b" and "c" here: its buffer had them, communicate() did not)."""
+    code = "import sys, time\nsys.stdout.write('a\\nb\\nc\\n'); sys.stdout.flush(); time.sleep(1); print('d')"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    seen = output_until(process, lambda output: "a\n" in output, timeout=60)
+    status, rest = finish(process, timeout=60)
+    assert status == 0 and (seen + rest).splitlines() == ["a", "b", "c", "d"], (seen, rest)
 
 
 @pytest.mark.slow

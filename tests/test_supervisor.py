@@ -88,27 +88,32 @@ LAUNCHER_EXIT = ("10.0.0.2: [2026-11-27 01:00:00,000] [ERROR] [launch.py:259:sig
 PDSH_EXIT = "pdsh@n1: 10.0.0.3: ssh exited with exit code {}"
 
 
-def test_error_lines_of_ranks_writing_at_once_stay_whole_for_the_supervisor():
-    """Two unbuffered processes (as the deepspeed launcher starts ranks) each print the same final error line
-    20,000 times, from the same instant, into one pipe: every line the supervisor reads is that error line,
-    mark included. With print() instead of runtime.print_error_line, 4,123 of 40,000 lines held two texts in
-    a scratch run."""
+def test_lines_of_ranks_printing_at_once_stay_whole_for_the_supervisor():
+    """Two unbuffered processes (as the deepspeed launcher starts ranks) that have called
+    runtime.write_whole_lines (run_cli does) each print the same final error line on stderr and a checkpoint
+    line on stdout 10,000 times, from the same instant, into one pipe: every line is one of the two, whole,
+    and the supervisor's watcher reads the error as final. Without the call, 4,123 of 40,000 error lines held
+    two texts in a scratch run."""
     text = f"--input_dir /data: no shards{NO_RESTART_MARK}"
     start_at = time.time() + 10  # both have imported torch by then
-    code = (f"import time\nfrom training.runtime import print_error_line\nwhile time.time() < {start_at}: pass\n"
-            f"for _ in range(20000): print_error_line({text!r})")
+    code = (f"import sys, time\nfrom training.runtime import write_whole_lines\nwrite_whole_lines()\n"
+            f"while time.time() < {start_at}: pass\n"
+            f"for _ in range(10000):\n"
+            f"    print('error: ' + {text!r}, file=sys.stderr, flush=True)\n"
+            f"    print('[run_pretraining] saved checkpoint 12', flush=True)")
     read_end, write_end = os.pipe()
-    ranks = [subprocess.Popen([sys.executable, "-u", "-c", code], stderr=write_end, env=helpers.checkout_env(),
-                              cwd=helpers.REPO_ROOT) for _ in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-u", "-c", code], stdout=write_end, stderr=write_end,
+                              env=helpers.checkout_env(), cwd=helpers.REPO_ROOT) for _ in range(2)]
     os.close(write_end)
     with os.fdopen(read_end) as pipe:
         lines = pipe.read().splitlines()
-    assert [rank.wait() for rank in ranks] == [0, 0]
+    assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
     watcher = supervisor.OutputWatcher()
     for line in lines:
         watcher.note(line)
-    assert watcher.final == text.removesuffix(NO_RESTART_MARK)
-    assert len(lines) == 40000 and set(lines) == {f"error: {text}"}, sorted(set(lines), key=len)[-1][:300]
+    assert watcher.final == text.removesuffix(NO_RESTART_MARK) and watcher.checkpoint == "12"
+    expected = {f"error: {text}", "[run_pretraining] saved checkpoint 12"}
+    assert len(lines) == 40000 and set(lines) == expected, sorted(set(lines) - expected, key=len)[-1][:300]
 
 
 def test_a_failed_rank_without_an_error_line_is_the_reason_and_an_error_line_wins():

@@ -646,12 +646,15 @@ def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: boo
 
 # ============================================================================ command line
 
-def print_error_line(text: str) -> None:
-    """`error: <text>` on stderr in one write. The deepspeed launcher runs its ranks unbuffered (`python -u`),
-    where print() writes a text and its newline apart: another rank's output in the shared pipe could land
-    between them and hide the line, and its NO_RESTART_MARK, from training/supervisor.py (ERROR_LINE)."""
-    sys.stderr.write(f"error: {text}\n")
-    sys.stderr.flush()
+def write_whole_lines() -> None:
+    """Every line this process prints leaves it in one write. The deepspeed launcher runs its ranks unbuffered
+    (`python -u`), where print() writes a text and its newline apart; the ranks and the launcher share one
+    pipe, so another process's output could land inside a line and hide it from training/supervisor.py, which
+    matches whole lines (an error line and its NO_RESTART_MARK, a rank's exit, a saved checkpoint). Line
+    buffering still sends each line at its newline."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # not where a caller has put another object (a test's capture)
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
@@ -660,7 +663,8 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     host than rank 0's it names itself (a file missing on that host alone would otherwise fail silently there
     while rank 0 waits for it). The line of an error of a `final` type ends with NO_RESTART_MARK: a restart
     would meet it again (training/supervisor.py); a HostInputError's never does (another set of servers may
-    not meet it)."""
+    not meet it). Whatever the process prints, it prints in whole lines (write_whole_lines)."""
+    write_whole_lines()
     leave_together = False  # every rank ended the same way: they can meet at a barrier
     try:
         main(argv)
@@ -670,16 +674,16 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
         if rank == "0" or not isinstance(err, InputError):
-            print_error_line(f"{err}{mark}")
+            print(f"error: {err}{mark}", file=sys.stderr, flush=True)
         elif local_rank == "0":
-            print_error_line(f"rank {rank} on {socket.gethostname()}: {err}{mark}")
+            print(f"error: rank {rank} on {socket.gethostname()}: {err}{mark}", file=sys.stderr, flush=True)
         status = 1
     except (RuntimeError, dist.DistError) as err:
         message = describe_collective_failure(err)
         if message is None:
             raise
         # The process group is broken: leave at once (its teardown could wait on the dead peer).
-        print_error_line(message)
+        print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
     if dist.is_available() and dist.is_initialized() and leave_together:
