@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 import helpers
-from common.errors import InputError
+from common.errors import HostInputError, InputError
 from training import hardware, runtime
 
 
@@ -110,13 +110,20 @@ def test_each_process_of_a_server_needs_a_cuda_device_of_its_own(case):
     assert_decision(runtime.check_cuda_devices, *CUDA_DEVICE_CASES[case])
 
 
+def test_a_server_short_of_cuda_devices_is_that_servers_fault():
+    """A HostInputError (no NO_RESTART_MARK): where one server has lost or hidden a GPU, the supervisor's host
+    check decides whether the job goes on without it."""
+    with pytest.raises(HostInputError):
+        runtime.check_cuda_devices(0, 8, 7)
+
+
 V100 = "Tesla V100-SXM2-32GB (compute capability 7.0)"
 # (bf16.enabled, the device's bf16 support without emulation, the device) -> the error line, or None
 BF16_CASES = {
     "bf16_where_supported": ((True, True, "NVIDIA H100 80GB HBM3 (compute capability 9.0)"), None),
     "fp32_without_bf16": ((False, False, V100), None),
     "bf16_without_bf16": ((True, False, V100), f"bf16.enabled is true in the --deepspeed_config JSON, but {V100} "
-                          "has no bf16 support"),
+                          "has no native bf16 (torch would emulate it, far slower)"),
 }
 
 

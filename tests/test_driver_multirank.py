@@ -1,8 +1,11 @@
 """run_pretraining.py on 2 CPU ranks through the real `deepspeed` launcher (gloo). Slow: ~20-40 s per launch."""
 
+import contextlib
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -77,9 +80,9 @@ def run_ranks_with_own_argv(argvs, timeout=300, expect_status=0) -> list:
     try:
         outputs = [finish(proc, timeout)[1] for proc in procs]
     finally:
-        for proc in procs:  # the ranks after the one that did not finish
-            if proc.poll() is None:
-                proc.kill()
+        for proc in procs:  # the ranks after the one that did not finish, with any process of theirs
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     for proc, output in zip(procs, outputs):
         assert proc.returncode == expect_status, output[-3000:]
     return outputs

@@ -79,8 +79,9 @@ def _hold_before(function, should_hold):
     outside kill may land: the run cannot end before it)."""
     def wrapper(*args, **kwargs):
         if should_hold():
-            # One write(2), not print's two (text, then newline): a pipe takes a write of up to PIPE_BUF
-            # bytes whole, so the other rank's output, in the same pipe, cannot split the line.
+            # One write(2): a pipe takes a write of up to PIPE_BUF bytes whole, so the other rank's output, in
+            # the same pipe, cannot split the line. (print() under `python -u` writes the text and its newline
+            # apart unless the stream is line-buffered, as run_cli makes it; this line does not rely on that.)
             sys.stdout.flush()
             os.write(sys.stdout.fileno(), f"{HOLD_LINE}\n".encode())
             while True:
@@ -220,11 +221,18 @@ def hang_failure(what: str, timeout: float, order: str, output: str):
 
 
 def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
+    """The run's status and the rest of its output, once it has ended. One still running after `timeout` s
+    fails the test with its ranks' stacks; one interrupted otherwise (pytest-timeout's failure, Ctrl-C) is
+    killed with its process group, so that no rank outlives the test."""
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         order = stop_hung(process)
         hang_failure("finish", timeout, order, process.communicate()[0])
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
     return process.returncode, output
 
 
@@ -238,7 +246,8 @@ def output_until(process: subprocess.Popen, reached, timeout=300) -> str:
     guard.start()
     decoder, output = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
     try:
-        while not reached(output):
+        # on past a character split between two reads: the decoder holds its first bytes
+        while not reached(output) or decoder.getstate()[0]:
             chunk = os.read(process.stdout.fileno(), 65536)
             output += decoder.decode(chunk, final=not chunk)
             if not chunk:
@@ -615,6 +624,23 @@ def test_disk_full_on_one_rank_stops_every_rank_cleanly(tmp_path, shards):
 # The lines of faulthandler's dumps: a thread's header, a frame, or the empty line between threads.
 STACK_LINE = re.compile(r'(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$'
                         r'|  File ".*", line \d+ in \S+$|$')
+
+
+def test_a_run_interrupted_while_finish_waits_is_killed_with_its_process_group():
+    """pytest-timeout's failure or Ctrl-C inside finish's wait: the run, a child of it included, is killed, not
+    left running after the test (SIGINT here, which Python raises as KeyboardInterrupt in the main thread)."""
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\ntime.sleep(120)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    time.sleep(2)  # its child has started
+    members = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    interrupt = threading.Timer(1, signal.raise_signal, (signal.SIGINT,))
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt):
+        finish(process, timeout=60)
+    gone, alive = psutil.wait_procs(members, timeout=10)
+    assert not alive and len(gone) == 2, alive
 
 
 def test_output_read_up_to_a_line_and_then_to_the_end_loses_none():

@@ -52,11 +52,13 @@ def device_name(device: torch.device) -> str:
 
 
 def check_bf16_support(bf16: bool, supported: bool, device: str) -> None:
-    """A bf16 run (the DeepSpeed JSON's bf16.enabled) on a device without bf16 arithmetic (supported: torch's
-    answer without emulation, False on a V100) is an InputError, before the engine is built. `device` names it
+    """A bf16 run (the DeepSpeed JSON's bf16.enabled) on a device without native bf16 arithmetic (supported:
+    torch's answer without emulation, False below compute capability 8.0, e.g. a V100 or T4; DeepSpeed itself
+    would accept the emulation) is an InputError, before the engine is built. `device` names it
     in the message."""
     if bf16 and not supported:
-        raise InputError(f"bf16.enabled is true in the --deepspeed_config JSON, but {device} has no bf16 support")
+        raise InputError(f"bf16.enabled is true in the --deepspeed_config JSON, but {device} has no native bf16 "
+                         "(torch would emulate it, far slower)")
 
 
 def datasheet_tflops(name: str):

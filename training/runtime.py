@@ -313,17 +313,19 @@ def local_world_size() -> int:
 
 def check_cuda_devices(local_rank: int, local_ranks: int, device_count: int) -> None:
     """Each process takes the CUDA device of its LOCAL_RANK, and torch.cuda.set_device raised for one beyond
-    the server's devices (e.g. torchrun --nproc_per_node above the GPU count): an InputError instead. It is
-    found from the local process count on every rank of the server, so that its local rank 0 prints it
-    (run_cli). Where no launcher gave that count only the rank itself finds it, and exits 1 without the line
-    (run_cli prints a server's InputError from its local rank 0 alone)."""
+    the server's devices (e.g. torchrun --nproc_per_node above the GPU count): a HostInputError instead, the
+    server's own fault where the others have their GPUs (one failed or hidden), so training/supervisor.py's
+    host check decides, not a final error. It is found from the local process count on every rank of the
+    server, so that its local rank 0 prints it (run_cli). Where no launcher gave that count only the rank
+    itself finds it, and exits 1 without the line (run_cli prints a server's InputError from its local rank
+    0 alone)."""
     if local_ranks > device_count:
         what = f"{local_ranks} processes on this server, one per CUDA device, but {device_count} visible"
     elif local_rank >= device_count:
         what = f"LOCAL_RANK {local_rank} takes CUDA device {local_rank}, but this server has {device_count} visible"
     else:
         return
-    raise InputError(f"{what} CUDA device(s): start at most {device_count} processes per server (torchrun "
+    raise HostInputError(f"{what} CUDA device(s): start at most {device_count} processes per server (torchrun "
                      "--nproc_per_node, deepspeed --num_gpus)")
 
 
@@ -651,9 +653,10 @@ def write_whole_lines() -> None:
     (`python -u`), where print() writes a text and its newline apart; the ranks and the launcher share one
     pipe, so another process's output could land inside a line and hide it from training/supervisor.py, which
     matches whole lines (an error line and its NO_RESTART_MARK, a rank's exit, a saved checkpoint). Line
-    buffering still sends each line at its newline."""
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):  # not where a caller has put another object (a test's capture)
+    buffering still sends each line at its newline. Only the process's own streams (sys.__stdout__,
+    sys.__stderr__): an object a caller has put in their place (pytest's capture) keeps its settings."""
+    for stream in (sys.__stdout__, sys.__stderr__):
+        if stream is not None:  # None: a process started without them
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
