@@ -131,14 +131,15 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", max(local_rank, 0)))
-    chosen = device_type(use_hpu, no_cuda, torch.cuda.is_available())
+    cuda_available = torch.cuda.is_available()
+    chosen = device_type(use_hpu, no_cuda, cuda_available)
     if chosen == "hpu":
         try:
             import habana_frameworks.torch.core  # registers the hpu device
             import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers hccl)
         except ImportError as err:
             raise InputError(f"--use_hpu needs the SynapseAI PyTorch bridge (habana_frameworks): {err}") from err
-        check_accelerator_variable(os.environ.get("DS_ACCELERATOR"), True, no_cuda, torch.cuda.is_available())
+        check_accelerator_variable(os.environ.get("DS_ACCELERATOR"), True, no_cuda, cuda_available)
         device, backend = torch.device("hpu"), "hccl"
     elif chosen == "cuda":
         check_cuda_devices(local_rank, local_world_size(), torch.cuda.device_count())
@@ -325,8 +326,8 @@ def check_cuda_devices(local_rank: int, local_ranks: int, device_count: int) -> 
         what = f"LOCAL_RANK {local_rank} takes CUDA device {local_rank}, but this server has {device_count} visible"
     else:
         return
-    raise HostInputError(f"{what} CUDA device(s): start at most {device_count} processes per server (torchrun "
-                     "--nproc_per_node, deepspeed --num_gpus)")
+    raise HostInputError(f"{what} CUDA device(s): start at most {device_count} processes per server "
+                         "(torchrun --nproc_per_node, deepspeed --num_gpus)")
 
 
 def _share_cores_between_local_ranks():
