@@ -19,7 +19,9 @@ as SKIP with the command that runs it. For each run it prints
   for one), the peak the driver measures at start-up: the verdict line says which, and the figure;
 - the peak of allocated tensor bytes of the run (hardware.PeakAllocated) against the memory planner's
   prediction (sizing.device_memory, which scripts/plan_memory.py prints); on the CPU that count comes from
-  the torch profiler, which slows the run: there the sequences/s are not the driver's speed;
+  the torch profiler, which slows the run: there the sequences/s are not the driver's speed, and a block
+  freed on a thread the profiler does not follow makes the figure a range (PeakAllocated), which passes
+  when it meets the expected range;
 - one verdict line per check, PASS or FAIL against the expected range printed with it.
 The expected ranges are our expectations, not measurements: we have measured none of this on a GPU or a
 Gaudi. A run the planner says does not fit the device is reported as SKIP; one still going after --run_timeout_s
@@ -181,8 +183,9 @@ def one_run(args, device_type: str) -> int:
 
 
 def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micro: int, mode: str, device_type: str):
-    """One driver run; returns (sequences/s, MFU, measured peak bytes, planned peak bytes, final loss, the MFU's
-    peak in TFLOP/s, where that peak comes from), or a SKIP line when the planner says it does not fit."""
+    """One driver run; returns (sequences/s, MFU, measured peak bytes (low, high: PeakAllocated), planned peak
+    bytes, final loss, the MFU's peak in TFLOP/s, where that peak comes from), or a SKIP line when the planner
+    says it does not fit."""
     run_dir = run_directory(work_dir, name, mode)
     ds_config = run_dir / "ds.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -209,7 +212,8 @@ def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micr
         raise
     later = step_records(run_dir / "dllogger.json")[1:]
     return (statistics.median(r["average_perf_per_step"] for r in later), statistics.median(r["mfu"] for r in later),
-            measured.bytes, planned, summary["final_loss"], *mfu_peak(run_dir / "dllogger.json"))
+            (measured.low_bytes, measured.bytes), planned, summary["final_loss"],
+            *mfu_peak(run_dir / "dllogger.json"))
 
 
 def planned_modes(wanted: list, device_type: str, driver_compiles: bool, environ=os.environ) -> tuple:
@@ -296,9 +300,12 @@ def report(results: list, device_type: str, kind: str) -> bool:
         ok &= verdict(f"{label}: MFU", low <= mfu <= high, f"{sequences:.1f} sequences/s, MFU {mfu:.1%} of "
                       f"{peak:.4g} TFLOP/s ({peak_source})", f"{low * 100:.4g}% to {high * 100:.4g}%")
         low, high = MEMORY_RATIO_RANGE["cpu" if device_type == "cpu" else "accelerator"]
-        ratio = measured / planned
-        ok &= verdict(f"{label}: peak memory / planned", low <= ratio <= high,
-                      f"measured {measured / 2**30:.2f} GiB, planned {planned / 2**30:.2f} GiB, ratio {ratio:.2f}",
+        (least, most), (least_ratio, most_ratio) = measured, (measured[0] / planned, measured[1] / planned)
+        text = (f"measured {least / 2**30:.2f} GiB, planned {planned / 2**30:.2f} GiB, ratio {least_ratio:.2f}"
+                if least == most else
+                f"measured {least / 2**30:.2f} to {most / 2**30:.2f} GiB (blocks freed on a thread the profiler "
+                f"does not follow), planned {planned / 2**30:.2f} GiB, ratio {least_ratio:.2f} to {most_ratio:.2f}")
+        ok &= verdict(f"{label}: peak memory / planned", least_ratio <= high and most_ratio >= low, text,
                       f"{low:g} to {high:g}")
     return ok
 

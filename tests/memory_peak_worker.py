@@ -1,6 +1,7 @@
 """Runs run_pretraining.py's main() and writes this rank's peak of allocated CPU tensor bytes
-(hardware.PeakAllocated: the profiler's allocation events, not resident memory) to
-$MEMORY_PEAK_DIR/peak_<rank>.json. That is what sizing.device_memory predicts. Used by tests/test_sizing.py,
+(hardware.PeakAllocated: the profiler's allocation events, not resident memory; low and high, which differ
+when a block was freed on a thread the profiler does not follow) to $MEMORY_PEAK_DIR/peak_<rank>.json. That
+is what sizing.device_memory predicts. Used by tests/test_sizing.py,
 alone or under the deepspeed launcher.
 """
 
@@ -20,7 +21,7 @@ def main():
         run_pretraining.main(sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
     out = Path(os.environ["MEMORY_PEAK_DIR"]) / f"peak_{rank}.json"
-    out.write_text(json.dumps({"rank": rank, "peak_bytes": peak.bytes}))
+    out.write_text(json.dumps({"rank": rank, "low_bytes": peak.low_bytes, "peak_bytes": peak.bytes}))
 
 
 if __name__ == "__main__":

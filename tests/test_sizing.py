@@ -87,8 +87,9 @@ BUCKET = 5_000_000  # a small reduction bucket, so that it does not hide the res
 
 
 def measured_peaks(tmp_path, stage, world, checkpoint, bucket, micro, gas=1):
-    """Per-rank peak tensor bytes of a 3-step driver run (tests/memory_peak_worker.py), `gas` micro-batches
-    per step."""
+    """Per-rank peak tensor bytes, (low, high), of a 3-step driver run (tests/memory_peak_worker.py), `gas`
+    micro-batches per step. They differ when a block was freed on a thread the profiler does not follow
+    (hardware.PeakAllocated): the true peak lies between."""
     helpers.write_synthetic_shards(tmp_path / "shards", [128], seq_len=128, max_pred=20)
     (tmp_path / "model.json").write_text(json.dumps(MEASURED_MODEL))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=stage, bf16=True, micro=micro, gas=gas,
@@ -103,7 +104,14 @@ def measured_peaks(tmp_path, stage, world, checkpoint, bucket, micro, gas=1):
     else:
         result = helpers.launch(argv, num_ranks=world, env=env, script=worker)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads((tmp_path / f"peak_{rank}.json").read_text())["peak_bytes"] for rank in range(world)]
+    peaks = [json.loads((tmp_path / f"peak_{rank}.json").read_text()) for rank in range(world)]
+    return [(peak["low_bytes"], peak["peak_bytes"]) for peak in peaks]
+
+
+def within(predicted: float, measured: tuple, rel: float) -> bool:
+    """`predicted` within `rel` of some figure in the measured (low, high) range."""
+    low, high = measured
+    return low * (1 - rel) <= predicted <= high * (1 + rel)
 
 
 @pytest.mark.slow
@@ -116,8 +124,8 @@ def test_planner_matches_measured_peak_memory(tmp_path, stage, world, checkpoint
     run = sizing.Run(micro_batch=micro, seq_len=128, max_pred=20, world_size=world, zero_stage=stage,
                      checkpoint_interval=1 if checkpoint else 0, reduce_bucket_size=bucket, on_cpu=True)
     predicted = sizing.device_memory(BertConfig(**MEASURED_MODEL), run)["total"]
-    for peak in measured_peaks(tmp_path, stage, world, checkpoint, bucket, micro):
-        assert predicted == pytest.approx(peak, rel=0.15), (predicted / 2**20, peak / 2**20)
+    for low, high in measured_peaks(tmp_path, stage, world, checkpoint, bucket, micro):
+        assert within(predicted, (low, high), 0.15), (predicted / 2**20, low / 2**20, high / 2**20)
 
 
 @pytest.mark.slow
@@ -136,10 +144,9 @@ def test_planner_counts_the_gradients_held_between_micro_batches(tmp_path):
                          reduce_bucket_size=BUCKET, on_cpu=True, accumulation_steps=gas)
         predicted[gas] = sizing.device_memory(config, run)["total"]
         [measured[gas]] = measured_peaks(tmp_path / f"gas{gas}", 1, 1, False, BUCKET, 32, gas=gas)
-        assert predicted[gas] == pytest.approx(measured[gas], rel=0.15), (gas, predicted[gas] / 2**20,
-                                                                          measured[gas] / 2**20)
+        assert within(predicted[gas], measured[gas], 0.15), (gas, predicted[gas] / 2**20, measured[gas])
     assert predicted[2] - predicted[1] == pytest.approx(bf16_gradients, rel=0.01), (predicted, bf16_gradients)
-    assert measured[2] - measured[1] >= predicted[2] - predicted[1], (predicted, measured)
+    assert measured[2][1] - measured[1][0] >= predicted[2] - predicted[1], (predicted, measured)
 
 
 def test_held_gradients_follow_the_zero_stage_and_the_json():
