@@ -117,10 +117,11 @@ def test_cpu_peak_with_a_block_freed_on_another_thread_is_a_range_around_the_tru
     the lost block's address (an address handed out again counts as the free of the block it held)."""
     import queue
     import threading
-    to_worker, done = queue.Queue(), queue.Queue()
+    to_worker, done, main_let_go = queue.Queue(), queue.Queue(), threading.Event()
 
     def drop_what_it_is_given():
         while (item := to_worker.get()) is not None:
+            main_let_go.wait(timeout=60)  # the main thread's reference goes first: this one is the last
             del item
             done.put(True)
 
@@ -135,6 +136,7 @@ def test_cpu_peak_with_a_block_freed_on_another_thread_is_a_range_around_the_tru
             freed_there = torch.empty(64 * megabyte)
             to_worker.put(freed_there)
             del freed_there
+            main_let_go.set()
             done.get(timeout=60)
             after = torch.empty(1024)
             del after
@@ -155,3 +157,25 @@ def test_cpu_peak_without_lost_frees_is_one_figure():
         third = torch.empty(2 * megabyte)
         del third
     assert (peak.low_bytes, peak.bytes, peak.lost_bytes) == (12_000_000, 12_000_000, 0)
+
+
+P, Q = 0x1000, 0x2000  # two addresses
+
+
+@pytest.mark.parametrize("events,left_out,peak", [
+    ([(1, 100, P), (2, -100, P), (3, 50, Q)], (), 100),  # every free seen
+    ([(1, 100, P), (2, 10, P), (3, 50, Q)], (), 100),  # P handed out again: its 100 were freed unseen before
+    ([(1, 100, P), (2, 10, P), (3, 50, Q)], (P,), 100),  # the lost 10 left out; the 100 before them still count
+    ([(1, 100, P), (2, 50, Q), (3, 10, P)], (P,), 150),  # 100 at P and 50 at Q together, then P reused
+    ([(1, 10, P), (2, 100, Q)], (P,), 100),  # the lost block never counts
+    ([(1, -30, P), (2, 40, Q)], (), 10)])  # a free of a block from before the window lowers the sum
+def test_running_peak_counts_each_address_once(events, left_out, peak):
+    """running_peak over hand-made events (time, bytes, address), against peaks worked out by hand. An
+    address allocated again without a free between counts as freed there; a left-out (lost) block is its
+    address's last allocation; leaving it out never drops the block that address held before."""
+    assert hardware.running_peak(events, left_out) == peak
+
+
+def test_unfreed_blocks_are_the_last_allocation_at_each_address_without_a_free():
+    events = [(1, 100, P), (2, 10, P), (3, 50, Q), (4, -50, Q)]
+    assert hardware.unfreed_blocks(events) == {P: 10}

@@ -155,11 +155,11 @@ class PeakAllocated:
     CPU: the running sum of the torch profiler's allocation and free events (every tensor the CPU allocator
     hands out, not the interpreter, the libraries or cached pages, which resident memory would mix in).
 
-    The profiler follows only the threads it runs in: a block whose last reference a C++ thread drops has no
-    free event. The gradient bucket goes through a gloo all-reduce, whose worker thread holds it too; when
-    that thread lets go last (the scheduler ran it late), the bucket's free is lost (CI measured 1.96 GiB for
-    a run that peaked at 1.03: step 1's bucket counted on beside step 2's).
-    On the CPU, `lost_bytes` are the blocks that have no free event yet are held by no tensor at the end;
+    The profiler follows only the threads it runs in: a block whose last reference another thread drops has
+    no free event. The gradient bucket goes through a gloo all-reduce, whose worker thread holds it too; most
+    likely that thread let go last when the scheduler ran it late (CI measured 1.96 GiB for a run that peaked
+    at 1.03 GiB, one 1e9-byte bucket more). On the CPU, `lost_bytes` are the blocks that have no free event
+    yet are held by no tensor the interpreter sees at the end (a tensor held only from C++ counts as lost);
     `low_bytes` is the peak with them left out, `bytes` with them counted to the end: the true peak lies
     between. An address handed out again frees, in the count, the block it held."""
 
@@ -186,6 +186,7 @@ class PeakAllocated:
             self.bytes = self.low_bytes = self._allocator().max_memory_allocated()
             return False
         self._profiler.__exit__(*exc)
+        # In one nanosecond a free sorts before an allocation: an address freed and handed out again.
         events = sorted(cpu_allocation_events(self._profiler.profiler.kineto_results.experimental_event_tree()))
         unfreed = unfreed_blocks(events)
         lost = set(unfreed) - live_tensor_pointers()
@@ -225,9 +226,10 @@ def running_peak(events, left_out) -> int:
     live, current, peak = {}, 0, 0
     for index, (_, change, ptr) in enumerate(events):
         if change > 0:
+            current -= live.pop(ptr, 0)  # the block this address held, if its free went unseen
             if ptr in left_out and last_allocation[ptr] == index:
                 continue
-            current += change - live.pop(ptr, 0)  # less the block this address held, if its free went unseen
+            current += change
             live[ptr] = change
         else:
             current += change
@@ -243,6 +245,6 @@ def live_tensor_pointers() -> set:
         if issubclass(type(obj), torch.Tensor):  # not isinstance: it would read each object's __class__
             try:
                 pointers.add(obj.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, functional wrappers)
+            except Exception:  # a tensor without storage (functional wrappers) or a subclass that refuses
                 continue
     return pointers
