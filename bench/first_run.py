@@ -300,7 +300,8 @@ def report(results: list, device_type: str, kind: str) -> bool:
         ok &= verdict(f"{label}: MFU", low <= mfu <= high, f"{sequences:.1f} sequences/s, MFU {mfu:.1%} of "
                       f"{peak:.4g} TFLOP/s ({peak_source})", f"{low * 100:.4g}% to {high * 100:.4g}%")
         low, high = MEMORY_RATIO_RANGE["cpu" if device_type == "cpu" else "accelerator"]
-        (least, most), (least_ratio, most_ratio) = measured, (measured[0] / planned, measured[1] / planned)
+        least, most = measured
+        least_ratio, most_ratio = least / planned, most / planned
         text = (f"measured {least / 2**30:.2f} GiB, planned {planned / 2**30:.2f} GiB, ratio {least_ratio:.2f}"
                 if least == most else
                 f"measured {least / 2**30:.2f} to {most / 2**30:.2f} GiB (blocks freed on a thread the profiler "
