@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 
 import run_pretraining
-from training import hardware
+from training import hardware, runtime
 
 
-def main():
+def main(argv):
     with hardware.PeakAllocated(torch.device("cpu")) as peak:
-        run_pretraining.main(sys.argv[1:])
+        run_pretraining.main(argv)
     rank = int(os.environ.get("RANK", "0"))
     out = Path(os.environ["MEMORY_PEAK_DIR"]) / f"peak_{rank}.json"
     out.write_text(json.dumps({"rank": rank, "low_bytes": peak.low_bytes, "peak_bytes": peak.bytes}))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # under run_cli, as the driver: the ranks leave together (training/peer_watch.py)
+    sys.exit(runtime.run_cli(main, sys.argv[1:], ()))

@@ -1,10 +1,10 @@
 """What every DeepSpeed entry point (run_pretraining.py, run_glue.py, run_squad.py) needs, in one place.
 
 - `choose_accelerator` before DeepSpeed's first import, then `setup_device_and_distributed`: device,
-  backend and DeepSpeed's CPU traps; a DS_ACCELERATOR that names another device is an InputError
-  (`check_accelerator_variable`), as are more processes on a server than CUDA devices (`check_cuda_devices`) and
-  bf16 on a CUDA device without it (`hardware.check_bf16_support`); `seed_everything` (callers pass seed + global
-  rank);
+  backend, DeepSpeed's CPU traps and the watch on the other ranks (training/peer_watch.py); a DS_ACCELERATOR
+  that names another device is an InputError (`check_accelerator_variable`), as are more processes on a server
+  than CUDA devices (`check_cuda_devices`) and bf16 on a CUDA device without it (`hardware.check_bf16_support`);
+  `seed_everything` (callers pass seed + global rank);
 - `initialize_engine`: deepspeed.initialize (the JSON is read and checked by common/deepspeed_config.py)
   with a client optimizer and scheduler (and the guard against its zero-gradient step);
 - `add_compile_arguments`, `compile_backend`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from common.errors import NO_RESTART_MARK, HostInputError, InputError, InputErrorOnEveryRank, one_line
 from common.storage import WRITE_PROBE_PREFIX
 from modeling import TRANSFORMERS_ONLY_KEYS
-from training import gaudi, hardware, sizing
+from training import gaudi, hardware, peer_watch, sizing
 
 try:
     import dllogger
@@ -121,12 +121,14 @@ def choose_accelerator(use_hpu: bool, no_cuda: bool) -> None:
 def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int = -1,
                                  collective_timeout_s: float = 1800,
                                  stop_event: threading.Event | None = None,
-                                 ds_config: dict | None = None) -> torch.device:
+                                 ds_config: dict | None = None, watch_peers: bool = True) -> torch.device:
     """The only place that touches backends, environment variables and DeepSpeed's CPU traps. A collective
     that waits longer than collective_timeout_s (a rank died or stalled) raises instead of hanging. A stop
     (SIGINT/SIGTERM, or stop_event already set) while waiting for the other ranks ends the process within
     seconds (stop_ends_rendezvous). ds_config: the run's DeepSpeed settings (None: no training), whose bf16 a
-    CUDA device must support; checked with the device set-up, before the rendezvous, on every rank."""
+    CUDA device must support; checked with the device set-up, before the rendezvous, on every rank.
+    watch_peers: end this rank within seconds when another rank's process dies (training/peer_watch.py); run_cli
+    stops the watch when the process leaves."""
     if "RANK" not in os.environ:  # started without a launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
@@ -170,7 +172,45 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
     with stop_ends_rendezvous(stop_event is not None and stop_event.is_set()):
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         _JOB["hosts"] = gather_rank_hosts()
+        if watch_peers:
+            _JOB["peer_watch"] = peer_watch.start(dist.get_rank(), dist.get_world_size(), _JOB["hosts"],
+                                                  os.environ["MASTER_ADDR"], _share_from_rank_0, collective_timeout_s,
+                                                  _leave_after_peer_died)
     return device
+
+
+def _share_from_rank_0(value):
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+# One error line per process: the main thread's and the peer watch's (training/peer_watch.py) could race.
+_ERROR_LINE_LOCK = threading.Lock()
+
+
+def _leave_after_failure(message: str) -> None:
+    """The process group is broken (a peer died or stalled): print the line and leave at once, since the group's
+    teardown could wait on the dead peer. The first caller (main thread or peer watch) prints and exits holding
+    the lock, so the other never prints nor cuts the line short."""
+    with _ERROR_LINE_LOCK:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _leave_after_peer_died(what: str) -> None:
+    """The peer watch's way out; none when the main thread has begun to leave (run_cli stopped the watch)."""
+    if _JOB["peer_watch"] is None:
+        return
+    rank = dist.get_rank()
+    _leave_after_failure(f"rank {rank} on {_JOB['hosts'][rank]}: {what}")
+
+
+def _stop_watching_peers(goodbye: bool) -> None:
+    watch, _JOB["peer_watch"] = _JOB["peer_watch"], None
+    if watch is not None:
+        watch.leave(goodbye)
 
 
 # Seconds a rendezvous under way when a stop comes has to complete before the process leaves it.
@@ -229,7 +269,7 @@ def stop_ends_rendezvous(stop_requested: bool = False):
 
 
 # What a rank knows of the job for the message when a collective fails (set once, at initialisation).
-_JOB = {"timeout_s": None, "hosts": []}
+_JOB = {"timeout_s": None, "hosts": [], "peer_watch": None}
 
 
 def job_hosts() -> list:
@@ -673,8 +713,10 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     try:
         main(argv)
         status, leave_together = 0, True
+        _stop_watching_peers(goodbye=True)
     except (InputError, *errors) as err:
         leave_together = isinstance(err, InputErrorOnEveryRank)
+        _stop_watching_peers(goodbye=leave_together)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
         if rank == "0" or not isinstance(err, InputError):
@@ -686,10 +728,7 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
         message = describe_collective_failure(err)
         if message is None:
             raise
-        # The process group is broken: leave at once (its teardown could wait on the dead peer).
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        _leave_after_failure(message)
     if dist.is_available() and dist.is_initialized() and leave_together:
         dist.barrier()  # else a rank may abort at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
         dist.destroy_process_group()
