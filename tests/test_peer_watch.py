@@ -94,8 +94,8 @@ def test_a_world_of_one_has_nothing_to_watch():
 def start_pair(mode, timeout_s):
     env = helpers.launcher_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(helpers.free_port()), WORLD_SIZE="2")
     ranks = [subprocess.Popen([sys.executable, str(WORKER), mode, str(timeout_s)], cwd=helpers.REPO_ROOT,
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": "0"}, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     for rank in ranks:
         assert rank.stdout.readline().strip() == "ready", rank.stderr.read() if rank.poll() is not None else ""
     return ranks
@@ -109,19 +109,16 @@ def largest_send_queue(pid) -> int:
 
 
 def kill_rank_1_mid_send(ranks):
-    """SIGKILL to rank 1 while rank 0 is in the middle of a send to it: rank 1 is stopped (SIGSTOP) until
-    rank 0's queue towards it holds more than a megabyte, which only the payload can fill; if rank 1 was
-    stopped between two broadcasts, it goes on (SIGCONT) and is stopped again."""
-    for _ in range(50):
-        time.sleep(0.2)
-        os.kill(ranks[1].pid, signal.SIGSTOP)
-        time.sleep(0.5)
-        if largest_send_queue(ranks[0].pid) > 2 ** 20:
-            os.kill(ranks[1].pid, signal.SIGKILL)
-            ranks[1].wait()
-            return time.monotonic()
-        os.kill(ranks[1].pid, signal.SIGCONT)
-    raise AssertionError("rank 0 was never caught in the middle of a send")
+    """Rank 1 has posted its receive; it is stopped (SIGSTOP) before rank 0 starts the send, so rank 0 writes
+    until the sockets' buffers are full and stays in the middle of the send (its queue towards rank 1 holds
+    more than a megabyte, which only the payload can fill). Then SIGKILL."""
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    ranks[0].stdin.write("go\n")
+    ranks[0].stdin.flush()
+    assert wait_until(lambda: largest_send_queue(ranks[0].pid) > 2 ** 20), "rank 0's send did not start"
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    ranks[1].wait()
+    return time.monotonic()
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (Debian: apt-get install iproute2; .ci/run does)")
