@@ -782,6 +782,9 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
             return train_run(args, started, ds_config, model_config, data, copies, stop_event, clock=clock,
                              criterion=criterion if criterion is not None else BertPretrainingCriterion(),
                              make_graph_breaks=make_graph_breaks, device_memory=device_memory)
+        except BaseException as err:  # the copy below may take minutes: no other rank's exit is a death meanwhile
+            runtime.stop_watching_peers(goodbye=isinstance(err, InputErrorOnEveryRank))
+            raise
         finally:  # also after an error: the process must not end in the middle of a checkpoint copy
             if copies is not None:
                 copies.wait()

@@ -261,8 +261,8 @@ class TestHosts:
         self._wait_for_ssh(self.addresses[host])
 
     def set_link(self, host, up):
-        """Host `host`'s network interface up or down, inside its namespace. Up returns once host 1 reaches it
-        by ssh: test_supervisor.py's by-hand run, started at once after the link came back, once failed its
+        """Host `host`'s network interface up or down, inside its namespace. Up returns once the first host (0)
+        reaches it by ssh: test_supervisor.py's by-hand run, started at once after the link came back, once failed its
         preflight with "ssh: connect to host 10.200.0.3 port 2222: No route to host"."""
         run(["ip", "-n", self.namespaces[host], "link", "set", INTERFACE, "up" if up else "down"])
         if up:

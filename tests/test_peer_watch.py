@@ -77,13 +77,19 @@ def test_a_rank_that_says_goodbye_is_not_a_death(short_grace):
 
 def test_a_rank_that_leaves_during_the_grace_period_says_nothing(short_grace, monkeypatch):
     """Its main thread began to leave with a line of its own (e.g. every rank met a failed checkpoint)."""
-    monkeypatch.setattr(peer_watch, "GRACE_S", 1.0)
+    monkeypatch.setattr(peer_watch, "GRACE_S", 2.0)
+    in_grace, lost = threading.Event(), peer_watch.PeerWatch._lost
+
+    def noted_lost(self, what, peer):
+        in_grace.set()
+        lost(self, what, peer)
+    monkeypatch.setattr(peer_watch.PeerWatch, "_lost", noted_lost)
     deaths = {rank: [] for rank in range(2)}
     watches = start_watches(2, deaths)
     watches[1].connections[0].close()
-    time.sleep(0.3)
+    assert in_grace.wait(10)
     watches[0].leave(goodbye=False)
-    time.sleep(1.5)
+    time.sleep(2.5)
     assert deaths[0] == []
 
 
@@ -91,13 +97,14 @@ def test_a_world_of_one_has_nothing_to_watch():
     assert peer_watch.start(0, 1, ["host0"], "127.0.0.1", lambda port: port, 10, print) is None
 
 
-def start_pair(mode, timeout_s):
+def start_pair(mode, timeout_s, task="send"):
     env = helpers.launcher_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(helpers.free_port()), WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, str(WORKER), mode, str(timeout_s)], cwd=helpers.REPO_ROOT,
+    ranks = [subprocess.Popen([sys.executable, str(WORKER), mode, str(timeout_s), task], cwd=helpers.REPO_ROOT,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": "0"}, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    for rank in ranks:
-        assert rank.stdout.readline().strip() == "ready", rank.stderr.read() if rank.poll() is not None else ""
+    if task == "send":
+        for rank in ranks:
+            assert rank.stdout.readline().strip() == "ready", rank.stderr.read() if rank.poll() is not None else ""
     return ranks
 
 
@@ -151,3 +158,23 @@ def test_a_peer_killed_during_a_send_ends_rank_0_within_seconds_only_with_the_wa
     else:
         assert elapsed >= timeout_s - 2, elapsed
         assert "a collective got no answer within --collective_timeout_s 15 s" in errors[0]
+
+
+@pytest.mark.parametrize("task", ["slow-clean-up", "slow-clean-up-watching"])
+def test_a_rank_that_stops_the_watch_before_a_long_clean_up_keeps_its_own_error_line(task):
+    """Every rank meets the same error and rank 1 exits at once; rank 0's clean-up outlasts the grace. With
+    runtime.stop_watching_peers first (run_pretraining.py, before its wait for a checkpoint copy) rank 0 ends
+    with its own line; the negative control, which keeps watching, takes rank 1's exit for a death."""
+    ranks = start_pair("watch", 60, task)
+    try:
+        statuses = [rank.wait(timeout=60) for rank in ranks]
+        errors = [line for line in ranks[0].stderr.read().splitlines() if line.startswith("error:")]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    assert statuses == [1, 1] and len(errors) == 1, (statuses, errors)
+    if task == "slow-clean-up":
+        assert errors == ["error: the same bad input on every rank"]
+    else:
+        assert "the connection to rank 1 on" in errors[0] and "broke: that rank died" in errors[0]

@@ -128,7 +128,8 @@ def setup_device_and_distributed(use_hpu: bool, no_cuda: bool, local_rank: int =
     seconds (stop_ends_rendezvous). ds_config: the run's DeepSpeed settings (None: no training), whose bf16 a
     CUDA device must support; checked with the device set-up, before the rendezvous, on every rank.
     watch_peers: end this rank within seconds when another rank's process dies (training/peer_watch.py); run_cli
-    stops the watch when the process leaves."""
+    stops the watch when the process leaves, so a caller with more than one rank must run under run_cli (else a
+    rank still running 5 s after another ended takes that for a death)."""
     if "RANK" not in os.environ:  # started without a launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
@@ -186,7 +187,7 @@ def _share_from_rank_0(value):
 
 
 # One error line per process: the main thread's and the peer watch's (training/peer_watch.py) could race.
-_ERROR_LINE_LOCK = threading.Lock()
+_ERROR_LINE_LOCK = threading.RLock()
 
 
 def _leave_after_failure(message: str) -> None:
@@ -200,15 +201,20 @@ def _leave_after_failure(message: str) -> None:
 
 
 def _leave_after_peer_died(what: str) -> None:
-    """The peer watch's way out; none when the main thread has begun to leave (run_cli stopped the watch)."""
-    if _JOB["peer_watch"] is None:
-        return
-    rank = dist.get_rank()
-    _leave_after_failure(f"rank {rank} on {_JOB['hosts'][rank]}: {what}")
+    """The peer watch's way out; none once the main thread has begun to leave (stop_watching_peers)."""
+    with _ERROR_LINE_LOCK:
+        if _JOB["peer_watch"] is None:
+            return
+        rank = dist.get_rank()
+        _leave_after_failure(f"rank {rank} on {_JOB['hosts'][rank]}: {what}")
 
 
-def _stop_watching_peers(goodbye: bool) -> None:
-    watch, _JOB["peer_watch"] = _JOB["peer_watch"], None
+def stop_watching_peers(goodbye: bool) -> None:
+    """This process is leaving: stop the peer watch. goodbye: every rank leaves this way (a success, an error
+    they all met), so the others must not take the closing connection for a death. run_cli calls it; an entry
+    point calls it first where its own clean-up after an error takes long (a checkpoint copy to finish)."""
+    with _ERROR_LINE_LOCK:
+        watch, _JOB["peer_watch"] = _JOB["peer_watch"], None
     if watch is not None:
         watch.leave(goodbye)
 
@@ -713,10 +719,15 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
     try:
         main(argv)
         status, leave_together = 0, True
-        _stop_watching_peers(goodbye=True)
-    except (InputError, *errors) as err:
+    except BaseException as err:
+        # Leaving, for any reason: a connection that closes from now on is no peer's death (training/peer_watch.py)
+        stop_watching_peers(goodbye=isinstance(err, InputErrorOnEveryRank))
+        if not isinstance(err, (InputError, *errors)):
+            message = describe_collective_failure(err) if isinstance(err, (RuntimeError, dist.DistError)) else None
+            if message is None:
+                raise
+            _leave_after_failure(message)
         leave_together = isinstance(err, InputErrorOnEveryRank)
-        _stop_watching_peers(goodbye=leave_together)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
         if rank == "0" or not isinstance(err, InputError):
@@ -724,12 +735,8 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
         elif local_rank == "0":
             print(f"error: rank {rank} on {socket.gethostname()}: {err}{mark}", file=sys.stderr, flush=True)
         status = 1
-    except (RuntimeError, dist.DistError) as err:
-        message = describe_collective_failure(err)
-        if message is None:
-            raise
-        _leave_after_failure(message)
     if dist.is_available() and dist.is_initialized() and leave_together:
         dist.barrier()  # else a rank may abort at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
+        stop_watching_peers(goodbye=True)  # after the barrier: every rank got this far
         dist.destroy_process_group()
     return status
