@@ -720,14 +720,14 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
         main(argv)
         status, leave_together = 0, True
     except BaseException as err:
+        leave_together = isinstance(err, InputErrorOnEveryRank)
         # Leaving, for any reason: a connection that closes from now on is no peer's death (training/peer_watch.py)
-        stop_watching_peers(goodbye=isinstance(err, InputErrorOnEveryRank))
+        stop_watching_peers(goodbye=leave_together)
         if not isinstance(err, (InputError, *errors)):
             message = describe_collective_failure(err) if isinstance(err, (RuntimeError, dist.DistError)) else None
             if message is None:
                 raise
             _leave_after_failure(message)
-        leave_together = isinstance(err, InputErrorOnEveryRank)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
         if rank == "0" or not isinstance(err, InputError):
