@@ -212,12 +212,12 @@ def test_a_pre_ln_export_resaved_by_transformers_reads_back(tmp_path):
 
 # ============================================================================ transformers' task checkpoints
 
-def fine_tuning_model(make_model, source, fine_tune, said=None):
-    """finetuning.build_model of run_squad.py / run_glue.py on the weights of `source`."""
+def fine_tuning_model(make_model, source, fine_tune, said=None, config_file=None):
+    """finetuning.build_model of run_squad.py / run_glue.py on the weights of `source` (--init_checkpoint)."""
     import types
 
     from finetune import finetuning
-    config, weights = finetuning.load_pretrained(source, None)
+    config, weights = finetuning.load_pretrained(source, config_file)
     session = types.SimpleNamespace(rank=0, training=types.SimpleNamespace(seed=1),
                                     say=(said.append if said is not None else lambda text: None))
     return finetuning.build_model(make_model, config, weights, session, fine_tune=fine_tune)
@@ -278,6 +278,47 @@ def test_older_transformers_position_ids_buffer_is_dropped(tmp_path):
         fine_tuning_model(BertForQuestionAnswering, tmp_path / "old", fine_tune=True)
     assert str(caught.value) == ("--init_checkpoint does not hold this model's encoder: missing keys [], "
                                  "unexpected keys ['bert.encoder.extra']")
+
+
+def tensorflow_layer_norm_names(state: dict) -> dict:
+    """`state` under the LayerNorm names of older TensorFlow-ported BERT checkpoints (gamma, beta)."""
+    renamed = {}
+    for key, value in state.items():
+        if ".LayerNorm." in key:
+            key = key.replace(".LayerNorm.weight", ".LayerNorm.gamma").replace(".LayerNorm.bias", ".LayerNorm.beta")
+        renamed[key] = value
+    return renamed
+
+
+@pytest.mark.parametrize("source", ["pytorch_model.bin with config.json", "state-dict file with --config_file"])
+def test_tensorflow_layer_norm_names_load_as_the_weights_they_hold(tmp_path, source):
+    """A checkpoint whose LayerNorms are named gamma/beta (older TensorFlow-ported BERT) loads through
+    --init_checkpoint's path with its own values in every encoder weight, its LayerNorms included."""
+    from modeling import BertForQuestionAnswering
+    config = small_config()
+    hf_model = transformers_model(transformers.BertForPreTraining, config, tmp_path / "hf")
+    expected = hf_model.state_dict()
+    legacy = tensorflow_layer_norm_names(expected)
+    layer_norms = 2 * config.num_hidden_layers + 2  # two per layer, the embeddings', the MLM head's
+    assert sum(key.endswith((".LayerNorm.gamma", ".LayerNorm.beta")) for key in legacy) == 2 * layer_norms
+    config_file = None
+    if source == "state-dict file with --config_file":
+        weights = tmp_path / "bert_tf_ported.bin"
+        config_file = tmp_path / "bert_config.json"
+        config.to_json_file(config_file)
+    else:
+        (tmp_path / "legacy").mkdir()
+        (tmp_path / "legacy" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+        weights = tmp_path / "legacy" / "pytorch_model.bin"
+    torch.save(legacy, weights)
+    model = fine_tuning_model(BertForQuestionAnswering, weights.parent if config_file is None else weights,
+                              fine_tune=True, config_file=config_file)
+    loaded = model.state_dict()
+    encoder = [key for key in loaded if key.startswith("bert.")]
+    assert sum(".LayerNorm." in key for key in encoder) == 2 * (layer_norms - 1)  # all but the MLM head's
+    for key in encoder:
+        rows = config.vocab_size if key in hf_interop.PADDED_ROWS else None
+        assert torch.equal(loaded[key][:rows], expected[key][:rows]), key
 
 
 @pytest.mark.parametrize("edit, message", [
