@@ -301,18 +301,16 @@ def test_tensorflow_layer_norm_names_load_as_the_weights_they_hold(tmp_path, sou
     legacy = tensorflow_layer_norm_names(expected)
     layer_norms = 2 * config.num_hidden_layers + 2  # two per layer, the embeddings', the MLM head's
     assert sum(key.endswith((".LayerNorm.gamma", ".LayerNorm.beta")) for key in legacy) == 2 * layer_norms
-    config_file = None
     if source == "state-dict file with --config_file":
-        weights = tmp_path / "bert_tf_ported.bin"
-        config_file = tmp_path / "bert_config.json"
+        init_checkpoint, config_file = tmp_path / "bert_tf_ported.bin", tmp_path / "bert_config.json"
         config.to_json_file(config_file)
+        torch.save(legacy, init_checkpoint)
     else:
-        (tmp_path / "legacy").mkdir()
-        (tmp_path / "legacy" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
-        weights = tmp_path / "legacy" / "pytorch_model.bin"
-    torch.save(legacy, weights)
-    model = fine_tuning_model(BertForQuestionAnswering, weights.parent if config_file is None else weights,
-                              fine_tune=True, config_file=config_file)
+        init_checkpoint, config_file = tmp_path / "legacy", None
+        init_checkpoint.mkdir()
+        (init_checkpoint / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+        torch.save(legacy, init_checkpoint / "pytorch_model.bin")
+    model = fine_tuning_model(BertForQuestionAnswering, init_checkpoint, fine_tune=True, config_file=config_file)
     loaded = model.state_dict()
     encoder = [key for key in loaded if key.startswith("bert.")]
     assert sum(".LayerNorm." in key for key in encoder) == 2 * (layer_norms - 1)  # all but the MLM head's
