@@ -4,12 +4,15 @@ ETags are checked against hashlib computed here and against the server's own; fa
 for the server by botocore's before-send hook (s3_helpers.FaultInjector)."""
 
 import collections
+import fcntl
 import hashlib
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import h5py
 import pytest
@@ -466,3 +469,60 @@ def test_a_rank_ahead_holds_no_copy_that_a_rank_behind_needs_room_for(tmp_path, 
     assert not stuck, "the rank behind waited for room that the idle rank ahead kept"
     expected = WindowReader(scan_shards(local)[0], seed=3, window_size=7, vocab_size=30522).read(0, 7)
     assert all((got["rows"][key] == expected[key]).all() for key in expected)
+
+
+def exclusive_lock_waiters(path) -> int:
+    """How many requests for an exclusive flock(2) lock on `path` wait, as the kernel lists them in /proc/locks
+    ("N: -> FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> ...")."""
+    status = os.stat(path)
+    file_id = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    with open("/proc/locks") as locks:
+        return sum(fields[1:4] == ["->", "FLOCK", "ADVISORY"] and fields[4] == "WRITE" and file_id in fields
+                   for fields in map(str.split, locks))
+
+
+def test_a_rank_that_waited_for_another_ranks_download_does_not_fetch_the_shard_again(tmp_path, s3, remote_shards):
+    """Two local ranks (two caches on one directory, as in the test above) both find a shard absent, then both
+    ask for its exclusive lock: one downloads it while the other waits. The one that waited uses that copy:
+    the S3 server sees one GET of the shard, and both ranks read the same file.
+
+    To get there every time, the test holds the shard's lock shared, as a rank does between its presence check
+    and its request for the exclusive lock, until the kernel lists both ranks waiting for the exclusive lock.
+    (A rank that comes while the other downloads waits for the shared lock instead, and then finds the copy
+    present at its first check.)"""
+    server, bucket, _ = s3
+    store, local = remote_shards
+    name = sorted(path.name for path in local.glob("*training*"))[0]
+    ranks = [storage.ShardCache(store, tmp_path / "cache", capacity=1 << 30) for _ in range(2)]
+    url, lock_file = store.url(name), tmp_path / "cache" / f".{name}.lock"
+    paths, finished_ranks = {}, queue.Queue()
+
+    def read(rank):
+        try:
+            paths[rank] = ranks[rank].local_path(url)
+        finally:
+            finished_ranks.put(rank)
+
+    threads = [threading.Thread(target=read, args=(rank,), daemon=True) for rank in range(2)]
+    try:
+        with open(lock_file, "a+b") as held:
+            fcntl.flock(held, fcntl.LOCK_SH)
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 60  # against a hang only: this takes milliseconds
+            while exclusive_lock_waiters(lock_file) < 2:
+                assert time.monotonic() < deadline and finished_ranks.empty(), \
+                    "the two ranks did not both wait for the shard's exclusive lock"
+                time.sleep(0.01)
+        first = finished_ranks.get(timeout=60)  # downloaded; the other waits until it releases the copy
+        ranks[first].release()
+        second = finished_ranks.get(timeout=60)
+        assert paths.keys() == {first, second}
+    finally:
+        for cache in ranks:
+            cache.close()
+        for thread in threads:
+            if thread.ident is not None:  # started
+                thread.join(timeout=60)
+    assert shard_gets(server, bucket) == {name: 1}
+    assert paths[0] == paths[1] and paths[0].read_bytes() == (local / name).read_bytes()
