@@ -61,9 +61,19 @@ float64 ones); the result is written back to the parameter in its own dtype.
 
 import functools
 import itertools
-from typing import NamedTuple
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeAlias, overload
 
 import torch
+from torch.optim.optimizer import ParamsT
+
+# Tensors as torch's _foreach_* functions take them (and return them: as tuples).
+TensorList: TypeAlias = list[torch.Tensor] | tuple[torch.Tensor, ...]
+# Parallel lists of blocks (or pieces of them): weights, gradients, first and second moments.
+Pieces: TypeAlias = tuple[TensorList, TensorList, TensorList, TensorList]
+# A bias correction: a Python float, or a 0-dim tensor in the compiled sweeps (see LANS.update_group).
+Scalar: TypeAlias = float | torch.Tensor
 
 # Values per piece of the chunked sweeps (see "Speed" above): 1 MiB of float32, so that a piece's inputs
 # and temporaries fit in the cache (128 Ki to 512 Ki values measured alike).
@@ -76,7 +86,8 @@ def chunk_elements(device: torch.device) -> int:
     return CHUNK_ELEMENTS if device.type == "cpu" else 2 ** 62
 
 
-def bias_corrections(step, betas, bias_correction, adjust_step):
+def bias_corrections(step: int, betas: tuple[float, float], bias_correction: bool,
+                     adjust_step: bool) -> tuple[float, float]:
     """Return (bc1, bc2) for group step ``step`` (1-based).
 
     ``adjust_step`` lowers the exponent by one after the first step: DeepSpeed versions that take a
@@ -89,7 +100,8 @@ def bias_corrections(step, betas, bias_correction, adjust_step):
     return 1.0 - beta1**exponent, 1.0 - beta2**exponent
 
 
-def update_moments(exp_avgs, exp_avg_sqs, inputs, betas, input_weight):
+def update_moments(exp_avgs: TensorList, exp_avg_sqs: TensorList, inputs: TensorList,
+                   betas: tuple[float, float], input_weight: float) -> None:
     """In place: m <- beta1 m + input_weight x;  v <- beta2 v + (1 - beta2) x**2."""
     beta1, beta2 = betas
     torch._foreach_mul_(exp_avgs, beta1)
@@ -98,7 +110,8 @@ def update_moments(exp_avgs, exp_avg_sqs, inputs, betas, input_weight):
     torch._foreach_addcmul_(exp_avg_sqs, inputs, inputs, value=1.0 - beta2)
 
 
-def adam_directions(exp_avgs, exp_avg_sqs, bc1, bc2, eps):
+def adam_directions(exp_avgs: TensorList, exp_avg_sqs: TensorList, bc1: Scalar, bc2: Scalar,
+                    eps: float) -> tuple[TensorList, TensorList]:
     """Return (m_hat / den, den) with den = sqrt(v / bc2) + eps, as new tensor lists."""
     denominators = torch._foreach_div(exp_avg_sqs, bc2)
     torch._foreach_sqrt_(denominators)
@@ -108,7 +121,8 @@ def adam_directions(exp_avgs, exp_avg_sqs, bc1, bc2, eps):
     return directions, denominators
 
 
-def lans_directions(pieces, normalised, bc1, bc2, eps, decay):
+def lans_directions(pieces: Pieces, normalised: TensorList, bc1: Scalar, bc2: Scalar, eps: float,
+                    decay: float) -> tuple[TensorList, TensorList]:
     """r = m_hat / den + wd w;  c = g_hat / den + wd w;  den = sqrt(v_hat) + eps. c is computed in
     ``normalised`` (g_hat), in place. pieces: (weights, grads, exp_avgs, exp_avg_sqs) lists."""
     weights, _, exp_avgs, exp_avg_sqs = pieces
@@ -120,7 +134,8 @@ def lans_directions(pieces, normalised, bc1, bc2, eps, decay):
     return adam_dirs, normalised
 
 
-def lans_moments_sweep(pieces, grad_scales, betas, beta3, bc1, bc2, eps, decay):
+def lans_moments_sweep(pieces: Pieces, grad_scales: TensorList, betas: tuple[float, float], beta3: float,
+                       bc1: Scalar, bc2: Scalar, eps: float, decay: float) -> torch.Tensor:
     """Sweep 2 over pieces (see "Speed"): g_hat = g * grad_scale; the moments in place; returns the sums
     of squares of w, r and c of every piece, [3, pieces]."""
     weights, grads, exp_avgs, exp_avg_sqs = pieces
@@ -132,7 +147,8 @@ def lans_moments_sweep(pieces, grad_scales, betas, beta3, bc1, bc2, eps, decay):
     return torch.stack([_norms(p) for p in (weights, *directions)]).square()
 
 
-def lans_update_sweep(pieces, grad_scales, adam_scales, grad_dir_scales, bc1, bc2, eps, decay):
+def lans_update_sweep(pieces: Pieces, grad_scales: TensorList, adam_scales: TensorList, grad_dir_scales: TensorList,
+                      bc1: Scalar, bc2: Scalar, eps: float, decay: float) -> None:
     """Sweep 3 over pieces: w <- w + adam_scale r + grad_dir_scale c, r and c recomputed as in sweep 2."""
     normalised = torch._foreach_mul(pieces[1], grad_scales)
     adam_dirs, grad_dirs = lans_directions(pieces, normalised, bc1, bc2, eps, decay)
@@ -143,24 +159,24 @@ def lans_update_sweep(pieces, grad_scales, adam_scales, grad_dir_scales, bc1, bc
 
 
 @functools.cache
-def compiled_sweeps():
+def compiled_sweeps() -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
     """The two sweeps, torch.compiled once per process for any block size (dynamic shapes): each becomes one
     fused loop, one pass over memory per block instead of an operation at a time."""
     return (torch.compile(lans_moments_sweep, dynamic=True), torch.compile(lans_update_sweep, dynamic=True))
 
 
-def trust_ratios(weight_norms, update_norms):
+def trust_ratios(weight_norms: torch.Tensor, update_norms: torch.Tensor) -> torch.Tensor:
     """||w|| / ||u|| per block (1-D tensors of norms), or 1 where either norm is 0 (no host sync)."""
     return torch.where((weight_norms > 0) & (update_norms > 0), weight_norms / update_norms,
                        torch.ones_like(weight_norms))
 
 
-def scaled(ratios, factor):
+def scaled(ratios: torch.Tensor, factor: float) -> list[torch.Tensor]:
     """The 0-dim per-block multipliers ratio * factor, as the tensor list torch._foreach_mul_ takes."""
     return list((ratios * factor).unbind())
 
 
-def _norms(blocks):
+def _norms(blocks: TensorList) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(blocks))
 
 
@@ -172,26 +188,26 @@ class TensorSegments(NamedTuple):
     holds over all ranks; tensor_id < num_tensors numbers them the same way on every rank.
     """
     num_tensors: int
-    segments: tuple
+    segments: tuple[tuple[int, int, int], ...]
 
 
 class Chunk(NamedTuple):
     """Pieces of blocks, about CHUNK_ELEMENTS values in all: parallel lists of equally shaped views of
     the weights, gradients and moments, the block of each piece (``blocks``) and the same as a tensor."""
-    weights: list
-    grads: list
-    exp_avgs: list
-    exp_avg_sqs: list
-    blocks: list
+    weights: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    blocks: list[int]
     block_index: torch.Tensor
 
     @property
-    def tensors(self):
+    def tensors(self) -> Pieces:
         """(weights, grads, exp_avgs, exp_avg_sqs): the pieces the sweeps take."""
         return self.weights, self.grads, self.exp_avgs, self.exp_avg_sqs
 
 
-def _compute_dtype(param):
+def _compute_dtype(param: torch.Tensor) -> torch.dtype:
     """float32 for half-precision parameters, the parameter's own dtype otherwise."""
     return torch.promote_types(param.dtype, torch.float32)
 
@@ -207,18 +223,25 @@ class GroupTensors:
     (``num_slots`` slots in all: each segmented flat parameter numbers its tensors from its own offset).
     """
 
-    def __init__(self, params, optimizer_state, tensor_segments):
+    def __init__(self, params: list[torch.Tensor], optimizer_state: defaultdict[torch.Tensor, dict[str, Any]],
+                 tensor_segments: Mapping[torch.Tensor, TensorSegments]):
         self.params = params
         # .to() returns the tensor itself when the dtype already matches. Detached: torch.compile refuses
         # in-place updates of views that no_grad mode cut from a tensor requiring grad (compile_update).
         self.full_weights = [p.detach().to(_compute_dtype(p)) for p in params]
-        self.weights, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
-        segment_blocks, slots, self.num_slots = [], [], 0
+        self.weights: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.exp_avgs: list[torch.Tensor] = []
+        self.exp_avg_sqs: list[torch.Tensor] = []
+        segment_blocks: list[int] = []
+        slots: list[int] = []
+        self.num_slots = 0
         for param, weight in zip(params, self.full_weights):
             state = optimizer_state[param]
             if not state:
                 state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+            assert param.grad is not None  # step() passes the parameters that have a gradient
             tensors = (weight, param.grad.to(weight.dtype), state["exp_avg"], state["exp_avg_sq"])
             layout = tensor_segments.get(param)
             # A flat parameter holding only padding here stays one (all-zero, unchanged) block.
@@ -235,11 +258,13 @@ class GroupTensors:
         self.segment_blocks = torch.tensor(segment_blocks, dtype=torch.long, device=device)
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
 
-    def chunks(self, size):
+    def chunks(self, size: int | None) -> list[Chunk]:
         """The blocks cut into pieces of at most ``size`` values, gathered into Chunks of about ``size``
         values (small blocks share one). A block whose tensors are not all contiguous stays one piece.
         size None: one Chunk per (non-empty) block, its pieces the whole tensors (the compiled sweeps')."""
-        chunks, pending, pending_size = [], [], 0
+        chunks: list[list[tuple[int, list[torch.Tensor]]]] = []
+        pending: list[tuple[int, list[torch.Tensor]]] = []
+        pending_size = 0
         for block, tensors in enumerate(zip(self.weights, self.grads, self.exp_avgs, self.exp_avg_sqs)):
             numel = tensors[0].numel()
             piece_size = size or max(numel, 1)
@@ -262,11 +287,14 @@ class GroupTensors:
         blocks = [[block for block, _ in pieces] for pieces in chunks]
         all_blocks = torch.tensor(list(itertools.chain.from_iterable(blocks)), dtype=torch.long,
                                   device=self.weights[0].device)
-        indices = all_blocks.split([len(chunk_blocks) for chunk_blocks in blocks])
-        return [Chunk(*map(list, zip(*(tensors for _, tensors in pieces))), chunk_blocks, index)
-                for pieces, chunk_blocks, index in zip(chunks, blocks, indices)]
+        indices = torch.split(all_blocks, [len(chunk_blocks) for chunk_blocks in blocks])
+        result = []
+        for chunk, chunk_blocks, index in zip(chunks, blocks, indices):
+            weights, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*(tensors for _, tensors in chunk)))
+            result.append(Chunk(weights, grads, exp_avgs, exp_avg_sqs, chunk_blocks, index))
+        return result
 
-    def write_back(self):
+    def write_back(self) -> None:
         for param, weight in zip(self.params, self.full_weights):
             if weight.dtype != param.dtype:
                 param.copy_(weight)
@@ -280,7 +308,7 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
     incremented and the gradients clipped).
     """
 
-    def __init__(self, params, defaults):
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]):
         if defaults["lr"] < 0.0:
             raise ValueError(f"invalid learning rate {defaults['lr']}: must be >= 0")
         if defaults["eps"] <= 0.0:
@@ -293,9 +321,11 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
             raise ValueError(f"invalid max_grad_norm {defaults['max_grad_norm']}: "
                              "must be >= 0 (0 disables)")
         super().__init__(params, {**defaults, "step": 0})
-        self._tensor_segments, self._all_reduce_sum = {}, None
+        self._tensor_segments: dict[torch.Tensor, TensorSegments] = {}
+        self._all_reduce_sum: Callable[[torch.Tensor], None] | None = None
 
-    def set_tensor_segments(self, tensor_segments, all_reduce_sum=None):
+    def set_tensor_segments(self, tensor_segments: Mapping[torch.Tensor, TensorSegments],
+                            all_reduce_sum: Callable[[torch.Tensor], None] | None = None) -> None:
         """Compute the norms per original tensor in the listed flat parameters (see the module docstring).
 
         tensor_segments: {flat parameter of this optimizer: TensorSegments}. all_reduce_sum(t): sums
@@ -318,7 +348,7 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
                 raise ValueError("a tensor appears in two segments of one flat parameter")
         self._tensor_segments, self._all_reduce_sum = dict(tensor_segments), all_reduce_sum
 
-    def block_norms(self, tensors, *block_lists):
+    def block_norms(self, tensors: GroupTensors, *block_lists: TensorList) -> list[torch.Tensor]:
         """L2 norm of every block of each list, one 1-D tensor per list. A segment block gets the norm
         of its whole tensor: the partial sums of squares of all lists go through one all_reduce_sum."""
         norms = [_norms(blocks) for blocks in block_lists]
@@ -326,7 +356,7 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
             return norms
         return self.norms_from_squares(tensors, torch.stack(norms).square())
 
-    def norms_from_squares(self, tensors, squares):
+    def norms_from_squares(self, tensors: GroupTensors, squares: torch.Tensor) -> list[torch.Tensor]:
         """Norms from the sums of squares of every block, [lists, blocks] -> one 1-D tensor per list;
         segment blocks get their whole tensor's, summed over the holders by one all_reduce_sum."""
         if not tensors.num_slots:
@@ -338,15 +368,15 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
         squares[:, tensors.segment_blocks] = sums[:, tensors.slots]
         return list(squares.sqrt().unbind())
 
-    def update_group(self, group, tensors):
+    def update_group(self, group: dict[str, Any], tensors: GroupTensors) -> None:
         raise NotImplementedError
 
-    def zero_grad(self, set_to_none=None):
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
         if set_to_none is None:
             set_to_none = self.defaults["set_grad_none"]
         super().zero_grad(set_to_none=set_to_none)
 
-    def _clip_by_global_norm(self, all_tensors):
+    def _clip_by_global_norm(self, all_tensors: list[GroupTensors]) -> None:
         """Divide every gradient by max(G / max_grad_norm, 1), G = norm over all groups (and, for
         segmented flat parameters, over all their holders)."""
         max_norm = self.defaults["max_grad_norm"]
@@ -364,15 +394,21 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
         divisor = torch.clamp(global_norm / max_norm, min=1.0)
         for tensors in all_tensors:
             # Out of place: for fp32 params tensors.grads alias param.grad, which stays untouched.
-            tensors.grads = torch._foreach_div(tensors.grads, divisor)
+            tensors.grads = list(torch._foreach_div(tensors.grads, divisor))
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        active = []
+        active: list[tuple[dict[str, Any], GroupTensors]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
@@ -384,7 +420,7 @@ class AdaptiveMomentOptimizer(torch.optim.Optimizer):
             tensors.write_back()
         return loss
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but keep the moments in the compute dtype.
 
         torch casts every floating state tensor to its parameter's dtype on load, which would turn the
@@ -418,9 +454,10 @@ class LANS(AdaptiveMomentOptimizer):
             (a C++ compiler on the CPU).
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.01, grad_averaging=True, set_grad_none=True, max_grad_norm=0.0,
-                 adjust_step=False, compile_update=False):
+    def __init__(self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 grad_averaging: bool = True, set_grad_none: bool = True, max_grad_norm: float = 0.0,
+                 adjust_step: bool = False, compile_update: bool = False):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging,
                         set_grad_none=set_grad_none, max_grad_norm=max_grad_norm,
@@ -428,10 +465,12 @@ class LANS(AdaptiveMomentOptimizer):
         super().__init__(params, defaults)
         self.compile_update = compile_update
 
-    def update_group(self, group, tensors):
+    def update_group(self, group: dict[str, Any], tensors: GroupTensors) -> None:
         beta1 = group["betas"][0]
         eps, lr, decay = group["eps"], group["lr"], group["weight_decay"]
         beta3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
+        bc1: Scalar
+        bc2: Scalar
         bc1, bc2 = bias_corrections(group["step"], group["betas"], group["bias_correction"],
                                     group["adjust_step"])
 

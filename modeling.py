@@ -25,19 +25,22 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch import nn
+from torch import Tensor, nn
 
 from common.atomic_write import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
 # The reference's configs use "gelu", which is the exact erf form (F.gelu's default), not the tanh approximation.
-ACT2FN = {"gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh, "swish": F.silu}
+ACT2FN: dict[str, Callable[[Tensor], Tensor]] = {"gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh, "swish": F.silu}
 LAYER_NORM_EPS = 1e-12
 MASK_VALUE = -10000.0  # additive attention mask, as the reference and original BERT
 VOCAB_PAD_MULTIPLE = 8  # the embedding and decoder rows are padded for tensor-core/TPC friendly shapes
@@ -45,6 +48,8 @@ MLM_IGNORE_INDEX = -1  # label of unmasked positions in the reference's HDF5 sha
 # Keys of transformers' BertForPreTraining saves that this model does not have: the alias of cls.predictions.bias,
 # and the position_ids buffer (0, 1, 2, ...) that transformers before 4.31 saved. Readers of such saves drop them.
 TRANSFORMERS_ONLY_KEYS = ("cls.predictions.decoder.bias", "bert.embeddings.position_ids")
+# Activation checkpointing's default: torch's, non-reentrant (BertPreTrainedModel.checkpoint_activations).
+NON_REENTRANT_CHECKPOINT = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -68,7 +73,7 @@ class BertConfig:
     initializer_range: float = 0.02
     layer_norm_large_model: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             value = getattr(self, name)
@@ -96,7 +101,7 @@ class BertConfig:
         return -(-self.vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
     @classmethod
-    def from_dict(cls, values: dict) -> "BertConfig":
+    def from_dict(cls, values: dict[str, Any]) -> "BertConfig":
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -106,22 +111,22 @@ class BertConfig:
         return cls(**values)
 
     @classmethod
-    def from_json_file(cls, path) -> "BertConfig":
+    def from_json_file(cls, path: str | os.PathLike[str]) -> "BertConfig":
         with open(path, encoding="utf-8") as file:
             values = json.load(file)
         if not isinstance(values, dict):
             raise ValueError(f"{path}: a model config must be a JSON object")
         return cls.from_dict(values)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def to_json_file(self, path) -> None:
+    def to_json_file(self, path: str | os.PathLike[str]) -> None:
         """Atomically (common/atomic_write.py): never a half-written config."""
         write_text_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-def _is_real(value) -> bool:
+def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -142,7 +147,7 @@ class BertEmbeddings(nn.Module):
         logger.info("vocab_size %d padded to %d (a multiple of %d)",
                     config.vocab_size, config.padded_vocab_size, VOCAB_PAD_MULTIPLE)
 
-    def forward(self, input_ids, token_type_ids):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         embeddings = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
                       + self.token_type_embeddings(token_type_ids))
@@ -160,11 +165,11 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_prob = config.attention_probs_dropout_prob
 
-    def forward(self, hidden_states, attention_mask):
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
         """hidden_states [B, S, h]; attention_mask additive [B, 1, 1, S] or None -> context [B, S, h]."""
         batch, seq_len, hidden = hidden_states.shape
 
-        def split_heads(projection):
+        def split_heads(projection: nn.Linear) -> Tensor:
             return projection(hidden_states).view(batch, seq_len, self.num_heads, -1).transpose(1, 2)
 
         context = F.scaled_dot_product_attention(
@@ -185,7 +190,7 @@ class BertResidualOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, sublayer_output, residual):
+    def forward(self, sublayer_output: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         summed = residual + self.dropout(self.dense(sublayer_output))
         return summed, self.LayerNorm(summed)
 
@@ -210,7 +215,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, hidden_states, residual, attention_mask):
+    def forward(self, hidden_states: Tensor, residual: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.output(self.self(hidden_states, attention_mask), residual)
 
 
@@ -220,7 +225,7 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: Tensor) -> Tensor:
         return self.act(self.dense(hidden_states))
 
 
@@ -237,7 +242,7 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, hidden_states, residual, attention_mask):
+    def forward(self, hidden_states: Tensor, residual: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         summed, normed = self.attention(hidden_states, residual, attention_mask)  # a = r + attn(x); u = LN(a)
         # Pre-LN keeps the raw sum as its residual stream; post-LN continues from the normalised sum.
         residual = summed if self.pre_layer_norm else normed
@@ -251,9 +256,9 @@ class BertEncoder(nn.Module):
         self.pre_layer_norm = config.layer_norm_large_model
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         self.checkpoint_interval = 0  # 0 = activation checkpointing off
-        self.checkpoint_fn = None
+        self.checkpoint_fn: Callable[..., Any] = NON_REENTRANT_CHECKPOINT
 
-    def forward(self, hidden_states, attention_mask):
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
         """hidden_states [B, S, h] (embedding output) -> last layer's output [B, S, h]."""
         # The pre-LN residual stream starts at 0, not at the embeddings (digest 3.2).
         residual = hidden_states.new_zeros(()) if self.pre_layer_norm else hidden_states
@@ -267,7 +272,8 @@ class BertEncoder(nn.Module):
                 hidden_states, residual = run_chunk(hidden_states, residual, attention_mask)
         return hidden_states
 
-    def _run_layers(self, start, end, hidden_states, residual, attention_mask):
+    def _run_layers(self, start: int, end: int, hidden_states: Tensor, residual: Tensor,
+                    attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         for layer in self.layer[start:end]:
             hidden_states, residual = layer(hidden_states, residual, attention_mask)
         return hidden_states, residual
@@ -278,7 +284,7 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, sequence_output):
+    def forward(self, sequence_output: Tensor) -> Tensor:
         return torch.tanh(self.dense(sequence_output[:, 0]))
 
 
@@ -293,14 +299,14 @@ class BertPredictionHeadTransform(nn.Module):
         self.act = ACT2FN[config.hidden_act]
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: Tensor) -> Tensor:
         return self.LayerNorm(self.act(self.dense(hidden_states)))
 
 
 class BertLMPredictionHead(nn.Module):
     """Transform, then the decoder, whose weight IS the word-embedding Parameter, plus its own bias."""
 
-    def __init__(self, config: BertConfig, word_embedding_weight: nn.Parameter):
+    def __init__(self, config: BertConfig, word_embedding_weight: Tensor):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
         # Built on meta so the untied [V, h] weight (5 GB for the 5B config) is never allocated.
@@ -308,17 +314,17 @@ class BertLMPredictionHead(nn.Module):
         self.decoder.weight = word_embedding_weight
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: Tensor) -> Tensor:
         return self.decoder(self.transform(hidden_states)) + self.bias
 
 
 class BertPreTrainingHeads(nn.Module):
-    def __init__(self, config: BertConfig, word_embedding_weight: nn.Parameter):
+    def __init__(self, config: BertConfig, word_embedding_weight: Tensor):
         super().__init__()
         self.predictions = BertLMPredictionHead(config, word_embedding_weight)
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
-    def forward(self, sequence_output, pooled_output):
+    def forward(self, sequence_output: Tensor, pooled_output: Tensor) -> tuple[Tensor, Tensor]:
         return self.predictions(sequence_output), self.seq_relationship(pooled_output)
 
 
@@ -333,14 +339,14 @@ class BertPreTrainedModel(nn.Module):
         super().__init__()
         self.config = config
 
-    def init_weights(self):
+    def init_weights(self) -> None:
         """Every Linear/Embedding weight ~ N(0, initializer_range), biases 0, LayerNorm 1 and 0.
 
         The reference leaves its fused LinearActivation layers (FFN up-projection, pooler, MLM transform) at
         PyTorch's Kaiming-uniform default only because that class is not an nn.Linear; we treat that as an
         accident, not a design, and use the BERT initialisation everywhere.
         """
-        drawn = set()  # ids of weights already drawn: the tied decoder weight is the word embedding's
+        drawn: set[int] = set()  # ids of weights already drawn: the tied decoder weight is the word embedding's
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in drawn:
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
@@ -353,7 +359,8 @@ class BertPreTrainedModel(nn.Module):
             if isinstance(module, BertLMPredictionHead):
                 nn.init.zeros_(module.bias)
 
-    def checkpoint_activations(self, enabled: bool, interval: int = 1, checkpoint_fn=None):
+    def checkpoint_activations(self, enabled: bool, interval: int = 1,
+                               checkpoint_fn: Callable[..., Any] | None = None) -> None:
         """Recompute the encoder's activations in backward, in chunks of `interval` layers.
 
         checkpoint_fn(function, *args) defaults to torch.utils.checkpoint (non-reentrant); the driver passes
@@ -364,8 +371,7 @@ class BertPreTrainedModel(nn.Module):
         for module in self.modules():
             if isinstance(module, BertEncoder):
                 module.checkpoint_interval = interval if enabled else 0
-                module.checkpoint_fn = checkpoint_fn or functools.partial(
-                    torch.utils.checkpoint.checkpoint, use_reentrant=False)
+                module.checkpoint_fn = checkpoint_fn or NON_REENTRANT_CHECKPOINT
 
 
 class BertModel(BertPreTrainedModel):
@@ -378,7 +384,8 @@ class BertModel(BertPreTrainedModel):
         if init_weights:
             self.init_weights()
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """input_ids, token_type_ids, attention_mask [B, S] (mask: 1 = attend, 0 = padding).
 
         Returns (sequence_output [B, S, h], pooled_output [B, h]).
@@ -403,7 +410,8 @@ class BertForPreTraining(BertPreTrainedModel):
         self.cls = BertPreTrainingHeads(config, self.bert.embeddings.word_embeddings.weight)
         self.init_weights()
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_labels=None):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                masked_lm_labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Returns (prediction_scores, seq_relationship_score [B, 2]).
 
         Without masked_lm_labels, prediction_scores is [B, S, V]. With masked_lm_labels [B, S] (-1 = not
@@ -424,7 +432,8 @@ class BertPretrainingCriterion(nn.Module):
     masked_lm_labels[masked_lm_labels != -1]); masked_lm_labels [B, S]; next_sentence_labels [B].
     """
 
-    def forward(self, prediction_scores, seq_relationship_score, masked_lm_labels, next_sentence_labels):
+    def forward(self, prediction_scores: Tensor, seq_relationship_score: Tensor, masked_lm_labels: Tensor,
+                next_sentence_labels: Tensor) -> Tensor:
         if prediction_scores.dim() == 2:
             targets = masked_lm_labels[masked_lm_labels != MLM_IGNORE_INDEX]
         else:
@@ -456,7 +465,8 @@ class BertForSequenceClassification(BertWithClassifier):
     def __init__(self, config: BertConfig, num_labels: int):
         super().__init__(config, num_outputs=num_labels)
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> tuple[Tensor, ...]:
         _, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
         logits = self.classifier(self.dropout(pooled_output))  # [B, num_labels]
         if labels is None:
@@ -470,10 +480,11 @@ class BertForMultipleChoice(BertWithClassifier):
     def __init__(self, config: BertConfig):
         super().__init__(config, num_outputs=1)
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> tuple[Tensor, ...]:
         batch, num_choices, seq_len = input_ids.shape
 
-        def flatten(tensor):
+        def flatten(tensor: Tensor | None) -> Tensor | None:
             return None if tensor is None else tensor.reshape(batch * num_choices, seq_len)
 
         _, pooled_output = self.bert(flatten(input_ids), flatten(token_type_ids), flatten(attention_mask))
@@ -489,7 +500,8 @@ class BertForTokenClassification(BertWithClassifier):
     def __init__(self, config: BertConfig, num_labels: int):
         super().__init__(config, num_outputs=num_labels)
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> tuple[Tensor, ...]:
         sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask)
         logits = self.classifier(self.dropout(sequence_output))  # [B, S, num_labels]
         if labels is None:
@@ -507,8 +519,8 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.init_weights()
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, start_positions=None,
-                end_positions=None):
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                start_positions: Tensor | None = None, end_positions: Tensor | None = None) -> tuple[Tensor, ...]:
         sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask)
         start_logits, end_logits = self.qa_outputs(sequence_output).unbind(dim=-1)
         if start_positions is None or end_positions is None:
@@ -524,7 +536,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 # Parameter counting
 
 
-def count_parameters(config: BertConfig) -> dict:
+def count_parameters(config: BertConfig) -> dict[str, int]:
     """Parameter counts of BertForPreTraining, built on the meta device (nothing is allocated).
 
     Returns {"embeddings", "encoder", "heads", "total"}; the tied decoder weight is counted once (in
@@ -544,7 +556,7 @@ def count_parameters(config: BertConfig) -> dict:
     return counts
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Print the parameter counts of a BERT model config.")
     parser.add_argument("--count", metavar="CONFIG", required=True, help="model config JSON file")
     args = parser.parse_args(argv)

@@ -7,9 +7,23 @@
 - ``adam`` / ``adamw``: torch.optim.Adam / AdamW with torch's defaults apart from lr and betas.
 """
 
-import torch
+from collections.abc import Sequence
+from typing import Any
 
-from lans import LANS, AdaptiveMomentOptimizer, adam_directions, bias_corrections, scaled, trust_ratios, update_moments
+import torch
+from torch import nn
+from torch.optim.optimizer import ParamsT
+
+from lans import (
+    LANS,
+    AdaptiveMomentOptimizer,
+    GroupTensors,
+    adam_directions,
+    bias_corrections,
+    scaled,
+    trust_ratios,
+    update_moments,
+)
 
 OPTIMIZERS = ("lans", "nvlamb", "adam", "adamw")
 
@@ -18,14 +32,15 @@ OPTIMIZERS = ("lans", "nvlamb", "adam", "adamw")
 NO_DECAY_NAME_PARTS = ("bias", "gamma", "beta", "LayerNorm")
 
 
-def get_parameter_groups(model, weight_decay=0.01):
+def get_parameter_groups(model: nn.Module, weight_decay: float = 0.01) -> list[dict[str, Any]]:
     """Two groups: [{'params': decayed, 'weight_decay': weight_decay}, {'params': rest, 0.0}].
 
     ``named_parameters()`` lists a tied parameter once (under its first name), so the word
     embedding shared with the MLM decoder appears once, in the decay group. Parameters with
     ``requires_grad=False`` are left out.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -37,14 +52,15 @@ def get_parameter_groups(model, weight_decay=0.01):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(name, param_groups, lr, betas=None, adjust_step=False, compile_update=False):
+def build_optimizer(name: str, param_groups: list[dict[str, Any]], lr: float, betas: Sequence[float] | None = None,
+                    adjust_step: bool = False, compile_update: bool = False) -> torch.optim.Optimizer:
     """Optimizer ``name`` (one of OPTIMIZERS) over ``param_groups`` with base LR ``lr``.
 
     ``betas=None`` keeps each optimizer's default (0.9, 0.999). ``adjust_step`` only concerns
     LANS/NVLAMB (see lans.bias_corrections), ``compile_update`` only LANS (see lans.LANS).
     Unknown name -> ValueError naming the choices.
     """
-    kwargs = {"lr": lr}
+    kwargs: dict[str, Any] = {"lr": lr}
     if betas is not None:
         kwargs["betas"] = tuple(betas)
     if name == "lans":
@@ -74,15 +90,16 @@ class NVLAMB(AdaptiveMomentOptimizer):
     group, because DeepSpeed steps the optimizer one group at a time).
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.01, set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False,
-                 adjust_step=False):
+    def __init__(self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 adjust_step: bool = False):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, set_grad_none=set_grad_none,
                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, adjust_step=adjust_step)
         super().__init__(params, defaults)
 
-    def update_group(self, group, tensors):
+    def update_group(self, group: dict[str, Any], tensors: GroupTensors) -> None:
         beta1 = group["betas"][0]
         eps, lr, decay = group["eps"], group["lr"], group["weight_decay"]
         bc1, bc2 = bias_corrections(group["step"], group["betas"], group["bias_correction"],

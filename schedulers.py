@@ -24,9 +24,16 @@ Differences from the reference (Habana deepspeed-bert ``schedulers.py``):
 """
 
 import math
+from typing import Any, Protocol
 
 
-def _validate(warmup, total_steps, constant=0.0, degree=1.0):
+class ParamGroupOwner(Protocol):
+    """What a schedule needs of its optimizer: the parameter groups (torch.optim.Optimizer has them)."""
+
+    param_groups: list[dict[str, Any]]
+
+
+def _validate(warmup: float, total_steps: int, constant: float = 0.0, degree: float = 1.0) -> None:
     if not (isinstance(total_steps, int) and total_steps > 0):
         raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
     if not 0.0 <= warmup <= 1.0:
@@ -37,7 +44,8 @@ def _validate(warmup, total_steps, constant=0.0, degree=1.0):
         raise ValueError(f"degree must be > 0, got {degree}")
 
 
-def poly_warmup_factor(t, total_steps, warmup, constant=0.0, degree=1.0):
+def poly_warmup_factor(t: int, total_steps: int, warmup: float, constant: float = 0.0,
+                       degree: float = 1.0) -> float:
     """Linear warm-up to 1 over ``warmup * T`` steps, flat until ``(warmup + constant) * T``, then
     ``((1 - p) / (1 - warmup - constant)) ** degree`` down to 0 at T; 0 after T."""
     p = t / total_steps
@@ -47,15 +55,15 @@ def poly_warmup_factor(t, total_steps, warmup, constant=0.0, degree=1.0):
         return 1.0
     if p >= 1.0:
         return 0.0
-    return ((1.0 - p) / (1.0 - warmup - constant)) ** degree
+    return float(((1.0 - p) / (1.0 - warmup - constant)) ** degree)  # float ** float is typed Any: it may be complex
 
 
-def linear_warmup_factor(t, total_steps, warmup):
+def linear_warmup_factor(t: int, total_steps: int, warmup: float) -> float:
     """Linear warm-up, then linear decay to 0 at T (the polynomial schedule, degree 1, no plateau)."""
     return poly_warmup_factor(t, total_steps, warmup)
 
 
-def constant_warmup_factor(t, total_steps, warmup):
+def constant_warmup_factor(t: int, total_steps: int, warmup: float) -> float:
     """Linear warm-up, then 1 until T; 0 after T."""
     p = t / total_steps
     if p > 1.0:
@@ -63,7 +71,7 @@ def constant_warmup_factor(t, total_steps, warmup):
     return p / warmup if p < warmup else 1.0
 
 
-def cosine_warmup_factor(t, total_steps, warmup):
+def cosine_warmup_factor(t: int, total_steps: int, warmup: float) -> float:
     """Linear warm-up, then half a cosine from 1 (end of warm-up) to 0 (T); 0 after T."""
     p = t / total_steps
     if p < warmup:
@@ -82,7 +90,7 @@ class WarmUpScheduler:
     ``get_last_lr()``, ``state_dict()`` and ``load_state_dict()``.
     """
 
-    def __init__(self, optimizer, warmup, total_steps):
+    def __init__(self, optimizer: ParamGroupOwner, warmup: float, total_steps: int):
         _validate(warmup, total_steps, **self._schedule_kwargs())
         self.optimizer = optimizer
         self.warmup = warmup
@@ -91,22 +99,22 @@ class WarmUpScheduler:
         self.last_step = 0
         self.step()
 
-    def _schedule_kwargs(self):
+    def _schedule_kwargs(self) -> dict[str, float]:
         """Extra keyword arguments of the factor function (validated with the rest)."""
         return {}
 
-    def factor(self, t):
+    def factor(self, t: int) -> float:
         raise NotImplementedError
 
-    def get_lr(self):
+    def get_lr(self) -> list[float]:
         """The LRs for the next optimizer step, one per group."""
         scale = self.factor(self.last_step)
         return [base_lr * scale for base_lr in self.base_lrs]
 
-    def get_last_lr(self):
+    def get_last_lr(self) -> list[float]:
         return self.get_lr()
 
-    def step(self):
+    def step(self) -> None:
         """Read the optimizer's step counter and set every group's LR for its next step."""
         counters = self.optimizer.param_groups[0]
         # torch's Adam/AdamW keep no group counter: then count our own step() calls instead.
@@ -114,12 +122,12 @@ class WarmUpScheduler:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Plain ints/floats/lists only, so torch.load(weights_only=True) reads it."""
         return {"base_lrs": list(self.base_lrs), "last_step": self.last_step,
                 "warmup": self.warmup, "total_steps": self.total_steps, **self._schedule_kwargs()}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the schedule and base LRs (as torch's schedulers do); the optimizer's own state
         carries the step counter and current LRs."""
         expected = set(self.state_dict())
@@ -137,28 +145,29 @@ class WarmUpScheduler:
 class PolyWarmUpScheduler(WarmUpScheduler):
     """Warm-up, constant plateau, polynomial decay (the schedule the BERT-1.5B/5B runs use)."""
 
-    def __init__(self, optimizer, warmup, total_steps, degree=1.0, constant=0.0):
+    def __init__(self, optimizer: ParamGroupOwner, warmup: float, total_steps: int, degree: float = 1.0,
+                 constant: float = 0.0):
         self.degree = degree
         self.constant = constant
         super().__init__(optimizer, warmup, total_steps)
 
-    def _schedule_kwargs(self):
+    def _schedule_kwargs(self) -> dict[str, float]:
         return {"constant": self.constant, "degree": self.degree}
 
-    def factor(self, t):
+    def factor(self, t: int) -> float:
         return poly_warmup_factor(t, self.total_steps, self.warmup, self.constant, self.degree)
 
 
 class LinearWarmUpScheduler(WarmUpScheduler):
-    def factor(self, t):
+    def factor(self, t: int) -> float:
         return linear_warmup_factor(t, self.total_steps, self.warmup)
 
 
 class ConstantWarmUpScheduler(WarmUpScheduler):
-    def factor(self, t):
+    def factor(self, t: int) -> float:
         return constant_warmup_factor(t, self.total_steps, self.warmup)
 
 
 class CosineWarmUpScheduler(WarmUpScheduler):
-    def factor(self, t):
+    def factor(self, t: int) -> float:
         return cosine_warmup_factor(t, self.total_steps, self.warmup)

@@ -6,13 +6,15 @@ even after a kill or a power loss. A leaf module: the root modules and the data/
 
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
 
 TMP_MARKER = ".tmp."
 
 
-def fsync_path(path) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
     """fsync a file, or a directory (which makes the renames done inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -24,7 +26,7 @@ def fsync_path(path) -> None:
 class AtomicPath:
     """`tmp` is a hidden name in the target's directory; commit() makes it `path`, discard() deletes it."""
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.tmp = self.path.with_name(f".{self.path.name}{TMP_MARKER}{os.getpid()}")
 
@@ -51,7 +53,7 @@ class AtomicPath:
 
 
 @contextmanager
-def atomic_path(path):
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """`with atomic_path(target) as tmp:` write a file or build a directory at `tmp`; it replaces `target`
     when the block ends normally and is deleted when the block raises."""
     atomic = AtomicPath(path)
@@ -63,20 +65,20 @@ def atomic_path(path):
         raise
 
 
-def write_atomically(path, write_fn, text: bool = False) -> None:
+def write_atomically(path: str | os.PathLike[str], write_fn: Callable[[IO[Any]], object], text: bool = False) -> None:
     """write_fn(file_object) writes the content; `path` keeps its old content if anything fails."""
     with atomic_path(path) as tmp:
-        with open(tmp, "w" if text else "wb", **({"encoding": "utf-8"} if text else {})) as file:
+        with open(tmp, "w" if text else "wb", encoding="utf-8" if text else None) as file:
             write_fn(file)
             file.flush()
 
 
-def write_text_atomically(path, text: str) -> None:
+def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
     write_atomically(path, lambda file: file.write(text), text=True)
 
 
-def remove_stale_temporaries(path) -> None:
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> None:
     """Delete the temporaries that killed writers of `path` left; only when no other process writes it."""
-    path = Path(path)
-    for stale in path.parent.glob(f".{path.name}{TMP_MARKER}*"):
+    target = Path(path)
+    for stale in target.parent.glob(f".{target.name}{TMP_MARKER}*"):
         AtomicPath.discard_path(stale)

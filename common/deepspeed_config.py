@@ -11,7 +11,9 @@ preflight, the supervisor and every DeepSpeed entry point, with one error type.
 
 import importlib.util
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 from common.errors import InputError
 
@@ -22,7 +24,7 @@ class DeepSpeedConfigError(InputError):
     """A DeepSpeed JSON that is missing, unreadable, or whose settings cannot run on the ranks asked for."""
 
 
-def read(path) -> dict:
+def read(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     if not path:
         raise DeepSpeedConfigError(f"--deepspeed_config is required (e.g. {EXAMPLE})")
     try:
@@ -34,7 +36,7 @@ def read(path) -> dict:
     return config
 
 
-def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
+def batch_arithmetic(config: dict[str, Any], world_size: int, source: object) -> tuple[int, int, int]:
     """(micro-batch, accumulation steps, global batch) of a DeepSpeed config at this world size. `source`
     names the config in the error."""
     micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
@@ -51,12 +53,13 @@ def batch_arithmetic(config: dict, world_size: int, source) -> tuple:
     return micro, gas, total
 
 
-def read_batch_arithmetic(path, world_size: int) -> tuple:
+def read_batch_arithmetic(path: str | os.PathLike[str] | None, world_size: int) -> tuple[int, int, int]:
     """`batch_arithmetic` of the JSON at `path` (the preflight's and the supervisor's check)."""
     return batch_arithmetic(read(path), world_size, path)
 
 
-def check(config: dict, world_size: int, source, client_optimizer: str | None = None) -> dict:
+def check(config: dict[str, Any], world_size: int, source: object,
+          client_optimizer: str | None = None) -> dict[str, Any]:
     """Check the batch arithmetic and what a client optimizer (its name, or None when the JSON's optimizer or
     one that ZeRO supports is used) needs; sets gradient_accumulation_steps from the global batch (pretraining's
     reading: a JSON's own value gives way, so a checkpoint resumes on another world size with the same batch;
@@ -88,7 +91,7 @@ def check(config: dict, world_size: int, source, client_optimizer: str | None = 
     return config
 
 
-def offload_sections(zero: dict) -> list:
+def offload_sections(zero: dict[str, Any]) -> list[str]:
     """The ZeRO offload settings of a zero_optimization section that move something off the accelerator, as text:
     offload_optimizer / offload_param with a device other than "none", and their deprecated boolean forms."""
     found = []
@@ -104,6 +107,6 @@ def offload_sections(zero: dict) -> list:
     return found
 
 
-def load(path, world_size: int, client_optimizer: str | None = None) -> dict:
+def load(path: str | os.PathLike[str] | None, world_size: int, client_optimizer: str | None = None) -> dict[str, Any]:
     """`read`, then `check`."""
     return check(read(path), world_size, path, client_optimizer)

@@ -29,10 +29,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 S3_SCHEME = "s3://"
 DEFAULT_MAX_ATTEMPTS = 8
@@ -63,7 +68,7 @@ class RemoteObject:
     etag: str   # without quotes
 
 
-def is_s3_url(location) -> bool:
+def is_s3_url(location: object) -> bool:
     return str(location).startswith(S3_SCHEME)
 
 
@@ -88,7 +93,7 @@ def _safe_endpoint(url: str | None) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
-def make_client(endpoint: str | None = None):
+def make_client(endpoint: str | None = None) -> Any:
     """A boto3 S3 client from the default session (credentials: boto3's standard chain)."""
     import boto3
     from botocore.config import Config
@@ -101,7 +106,7 @@ def make_client(endpoint: str | None = None):
     return client
 
 
-def _own_retry_jitter(client) -> None:
+def _own_retry_jitter(client: Any) -> None:
     """botocore's standard retry mode draws its backoff jitter from Python's global `random`, whose
     state training records in every checkpoint: a retry in a background download would make a resumed
     run's checkpoints differ from an uninterrupted run's. Give the backoff a generator of its own.
@@ -114,7 +119,7 @@ def _own_retry_jitter(client) -> None:
             backoff._random = jitter.random
 
 
-def _transfer_config():
+def _transfer_config() -> Any:
     from boto3.s3.transfer import TransferConfig
     return TransferConfig(multipart_threshold=TRANSFER_CHUNK, multipart_chunksize=TRANSFER_CHUNK, max_concurrency=8)
 
@@ -122,7 +127,7 @@ def _transfer_config():
 class S3Store:
     """The objects under s3://bucket/prefix. Every method raises StorageError on failure."""
 
-    def __init__(self, url: str, endpoint: str | None = None, client=None):
+    def __init__(self, url: str, endpoint: str | None = None, client: Any = None):
         self.bucket, self.prefix = split_s3_url(url)
         self.endpoint = endpoint_url(endpoint)
         self.client = client or make_client(self.endpoint)
@@ -140,7 +145,7 @@ class S3Store:
     def _error(self, err: Exception, what: str) -> StorageError:
         return StorageError(describe_error(err, what, self.bucket, self.endpoint))
 
-    def _call(self, what: str, method: str, **kwargs):
+    def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         from botocore.exceptions import BotoCoreError, ClientError
         try:
             return getattr(self.client, method)(**kwargs)
@@ -172,7 +177,7 @@ class S3Store:
             if not token:
                 return sorted(objects, key=lambda o: o.name)
 
-    def head(self, name: str, part: int | None = None) -> dict:
+    def head(self, name: str, part: int | None = None) -> dict[str, Any]:
         extra = {"PartNumber": part} if part else {}
         return self._call(f"cannot read {self.url(name)}", "head_object", Bucket=self.bucket, Key=self.key(name),
                           **extra)
@@ -191,13 +196,14 @@ class S3Store:
         """The object (or bytes [start, end) of it)."""
         buffer = bytearray()
 
-        def write(offset, chunk):
+        def write(offset: int, chunk: bytes) -> None:
             buffer[offset:offset + len(chunk)] = chunk
 
         self._stream(name, byte_range, None, write)
         return bytes(buffer)
 
-    def _stream(self, name: str, byte_range, etag: str | None, write, attempts: int = 3) -> None:
+    def _stream(self, name: str, byte_range: tuple[int, int] | None, etag: str | None,
+                write: Callable[[int, bytes], object], attempts: int = 3) -> None:
         """GET the object (or bytes [start, end) of it; only while its ETag is `etag`, if given), handing
         write(offset in the range, chunk) each piece as it arrives. botocore retries the request; a
         connection that breaks while the body streams is retried here, from the start of the range."""
@@ -254,9 +260,9 @@ class S3Store:
             f.truncate(remote.size)
         ranges = [(start, min(start + DOWNLOAD_RANGE, remote.size)) for start in range(0, remote.size, DOWNLOAD_RANGE)]
 
-        def fetch(byte_range):
+        def fetch(byte_range: tuple[int, int]) -> None:
             with open(path, "r+b") as f:
-                def write(offset, chunk):
+                def write(offset: int, chunk: bytes) -> None:
                     f.seek(byte_range[0] + offset)
                     f.write(chunk)
 
@@ -266,7 +272,7 @@ class S3Store:
             for _ in pool.map(fetch, ranges):
                 pass
 
-    def _verify(self, path: Path, remote: RemoteObject, head: dict) -> None:
+    def _verify(self, path: Path, remote: RemoteObject, head: dict[str, Any]) -> None:
         size = path.stat().st_size
         if size != remote.size:
             raise StorageError(f"download of {self.url(remote.name)} has {size} bytes, S3 says {remote.size}")
@@ -286,7 +292,7 @@ class S3Store:
             raise StorageError(f"download of {self.url(remote.name)} does not match its ETag {remote.etag} "
                                f"(corrupted in transit or on disk)")
 
-    def delete(self, names) -> None:
+    def delete(self, names: Iterable[str]) -> None:
         names = list(names)
         for start in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
             batch = names[start:start + 1000]
@@ -350,23 +356,25 @@ class RangeFile(io.RawIOBase):
     """A read-only, seekable file over one S3 object, read by ranged GETs of RANGE_BLOCK bytes (a few
     blocks are kept). For h5py to read a shard's header without downloading the shard."""
 
-    def __init__(self, store: S3Store, remote: RemoteObject, keep_blocks: int = 8, fetch=None):
+    def __init__(self, store: S3Store, remote: RemoteObject, keep_blocks: int = 8,
+                 fetch: Callable[[RemoteObject, int, int], bytes] | None = None):
         """fetch(remote, start, end) -> bytes [start, end) of the object (default: a ranged GET)."""
         super().__init__()
         self.store, self.remote, self.position = store, remote, 0
         self._fetch = fetch or (lambda remote, start, end: store.get_bytes(remote.name, (start, end)))
-        self._blocks, self._keep = collections.OrderedDict(), keep_blocks
+        self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._keep = keep_blocks
 
-    def readable(self):
+    def readable(self) -> bool:
         return True
 
-    def seekable(self):
+    def seekable(self) -> bool:
         return True
 
-    def tell(self):
+    def tell(self) -> int:
         return self.position
 
-    def seek(self, offset, whence=io.SEEK_SET):
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.remote.size}[whence]
         self.position = max(0, base + offset)
         return self.position
@@ -380,7 +388,7 @@ class RangeFile(io.RawIOBase):
         self._blocks.move_to_end(index)
         return self._blocks[index]
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: "WriteableBuffer") -> int:
         view, done = memoryview(buffer).cast("B"), 0
         while done < len(view) and self.position < self.remote.size:
             block = self._block(self.position // RANGE_BLOCK)
@@ -392,7 +400,7 @@ class RangeFile(io.RawIOBase):
         return done
 
 
-def server_cache_dir(s3_cache_dir) -> Path:
+def server_cache_dir(s3_cache_dir: str | os.PathLike[str]) -> Path:
     """The shard cache of this server, shared by its local ranks: <s3_cache_dir>/shards/<host name>. One
     directory per host, so that an --s3_cache_dir on a filesystem that servers share still gives one cache
     per server, and each cache's locks are only ever taken on one host."""
@@ -425,13 +433,14 @@ class ShardCache:
     until the whole object is downloaded (a few MiB per object, outside the bound).
     """
 
-    def __init__(self, store: S3Store, cache_dir, capacity: int):
+    def __init__(self, store: S3Store, cache_dir: str | os.PathLike[str], capacity: int):
         self.store, self.cache_dir, self.capacity = store, Path(cache_dir), int(capacity)
         self.objects = {store.url(o.name): o for o in store.list_objects()}
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._held = None                      # (url, open lock file) of the object being read, locked shared
+        # (url, open lock file) of the object being read, locked shared
+        self._held: tuple[str, io.BufferedRandom] | None = None
         self._lock = threading.Lock()
-        self._prefetching = set()              # urls handed to the prefetch thread and not done
+        self._prefetching: set[str] = set()    # urls handed to the prefetch thread and not done
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="s3-prefetch")
         self.downloaded_bytes = 0              # by this process
 
@@ -439,7 +448,7 @@ class ShardCache:
         name = self.objects[url].name
         return self.cache_dir / (f".{name}{suffix}" if suffix else name)
 
-    def _lock_file(self, url: str, suffix: str = _LOCK):
+    def _lock_file(self, url: str, suffix: str = _LOCK) -> io.BufferedRandom:
         return open(self._file(url, suffix), "a+b")
 
     def _is_present(self, url: str) -> bool:
@@ -453,7 +462,7 @@ class ShardCache:
     def list_files(self) -> list[str]:
         return sorted(self.objects)
 
-    def check_capacity(self, urls) -> None:
+    def check_capacity(self, urls: Iterable[str]) -> None:
         """One clear error when an object that will be read cannot fit in the cache at all."""
         largest = max(urls, key=lambda url: self.objects[url].size)
         size = self.objects[largest].size
@@ -461,7 +470,7 @@ class ShardCache:
             raise StorageError(f"the S3 cache holds {self.capacity / 2 ** 30:.3g} GiB, less than the shard "
                                f"{largest} ({size / 2 ** 30:.3g} GiB): raise --s3_cache_gb")
 
-    def header_file(self, url: str):
+    def header_file(self, url: str) -> io.BufferedReader:
         """Something h5py can open to read the object's header: the local copy (opened under the lock, so an
         eviction cannot take it away), or ranged reads shared by the local ranks."""
         with self._lock_file(url) as lock:
@@ -560,7 +569,7 @@ class ShardCache:
     def _make_room(self, size: int) -> bool:
         """Under the space lock: delete partial files of killed ranks, then the least recently used copies
         that no local process holds, until `size` more bytes fit."""
-        def on_disk(url):
+        def on_disk(url: str) -> int:
             return sum(path.stat().st_size for path in (self._file(url), self._file(url, _PARTIAL))
                        if path.exists())
 

@@ -22,7 +22,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO, Any
 
 from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically, write_text_atomically
 from common.errors import InputError
@@ -53,7 +55,7 @@ SHARDING_MANIFEST = "sharding.json"
 SHARDING_OPTIONS = ("n_training_shards", "n_test_shards", "fraction_test_set")
 
 
-def download_file(url, dest):
+def download_file(url: str, dest: str | os.PathLike[str]) -> None:
     """HTTP(S) or file download into dest, resuming a previous partial download (dest + '.part')."""
     partial = Path(f"{dest}.part")
     offset = partial.stat().st_size if partial.exists() else 0
@@ -79,7 +81,7 @@ def download_file(url, dest):
     partial.rename(dest)
 
 
-def published_sha1(url):
+def published_sha1(url: str) -> str | None:
     """The dump's SHA-1 from the mirror's '<prefix>-sha1sums.txt' next to it, or None if unavailable."""
     name = url.rsplit("/", 1)[-1]
     prefix = name.split("-pages-articles")[0]
@@ -97,13 +99,13 @@ def published_sha1(url):
     return None
 
 
-def file_digest(path, algorithm: str) -> str:
+def file_digest(path: str | os.PathLike[str], algorithm: str) -> str:
     """Hex digest of a file by a hashlib algorithm name ("sha1", "sha256")."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, algorithm).hexdigest()
 
 
-def fetch_verified(url, dest, algorithm: str, expected: str | None) -> bool:
+def fetch_verified(url: str, dest: str | os.PathLike[str], algorithm: str, expected: str | None) -> bool:
     """Download url to dest (resumable, download_file) unless dest is there, then check its digest when one
     is expected. Returns whether it downloaded. A mismatching file is moved to <dest>.bad, so that a rerun
     downloads it afresh, and is one error."""
@@ -122,7 +124,7 @@ def fetch_verified(url, dest, algorithm: str, expected: str | None) -> bool:
     return downloaded
 
 
-def download_wiki(options, dest):
+def download_wiki(options: argparse.Namespace, dest: Path) -> None:
     """Fetch the dump (a URL or a local path) unless already there; verify its SHA-1 when known."""
     if dest.exists():
         print(f"download: {dest} exists, skipping", file=sys.stderr)
@@ -137,7 +139,7 @@ def download_wiki(options, dest):
         print("download: the mirror publishes no SHA-1 for this file; only its size was checked", file=sys.stderr)
 
 
-def book_files(books_dir):
+def book_files(books_dir: str | os.PathLike[str]) -> list[Path]:
     """The .txt / .txt.gz files of the books folder (BookCorpus is no longer downloadable)."""
     if not books_dir:
         raise InputError("BookCorpus is no longer distributed; set BOOKS_DIR (or --books_dir) to a folder "
@@ -148,7 +150,7 @@ def book_files(books_dir):
     return files
 
 
-def run_wikiextractor(dump, extracted, n_processes):
+def run_wikiextractor(dump: Path, extracted: Path, n_processes: int) -> None:
     """Run WikiExtractor (as a tool: it is AGPL) into extracted/, JSON output, one doc per line."""
     remove_stale_temporaries(extracted)
     with atomic_path(extracted) as tmp:
@@ -160,7 +162,7 @@ def run_wikiextractor(dump, extracted, n_processes):
             raise InputError(f"WikiExtractor failed on {dump} (unreadable or truncated dump?): {last}")
 
 
-def format_wiki(dump, extracted, dest, n_processes):
+def format_wiki(dump: Path, extracted: Path, dest: Path, n_processes: int) -> None:
     """Extract the dump and write one article per line, a blank line after each."""
     if not dump.exists():
         raise InputError(f"{dump}: no Wikipedia dump; run --action download first")
@@ -168,7 +170,7 @@ def format_wiki(dump, extracted, dest, n_processes):
         run_wikiextractor(dump, extracted, n_processes)
     count = 0
 
-    def write_articles(out):
+    def write_articles(out: IO[str]) -> None:
         nonlocal count
         for part in sorted(extracted.glob("*/wiki_*")):
             with open(part, encoding="utf-8") as f:
@@ -184,8 +186,8 @@ def format_wiki(dump, extracted, dest, n_processes):
     print(f"text_formatting: {count} articles -> {dest}", file=sys.stderr)
 
 
-def read_book(path):
-    opener = gzip.open if path.name.endswith(".gz") else open
+def read_book(path: Path) -> str:
+    opener: Callable[..., IO[Any]] = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             return " ".join(line.strip() for line in f if line.strip())
@@ -193,11 +195,11 @@ def read_book(path):
         raise InputError(f"{path}: cannot read as UTF-8 text ({err})") from err
 
 
-def format_books(books_dir, dest):
+def format_books(books_dir: str | os.PathLike[str], dest: Path) -> None:
     """One book per line (its non-empty lines joined by spaces), a blank line after each."""
     files = book_files(books_dir)
 
-    def write_books(out):
+    def write_books(out: IO[str]) -> None:
         for path in files:
             text = read_book(path)
             if text:
@@ -210,39 +212,39 @@ def format_books(books_dir, dest):
 class Layout:
     """The reference's directory names under the working directory."""
 
-    def __init__(self, options):
+    def __init__(self, options: argparse.Namespace):
         self.root = Path(options.working_dir)
         self.options = options
 
-    def wiki_dump(self):
+    def wiki_dump(self) -> Path:
         return self.root / "download" / "wikicorpus_en" / "wikicorpus_en.xml.bz2"
 
-    def extracted(self):
+    def extracted(self) -> Path:
         return self.root / "extracted" / "wikicorpus_en"
 
-    def formatted(self, dataset):
+    def formatted(self, dataset: str) -> Path:
         name = {"wikicorpus_en": "wikicorpus_en_one_article_per_line.txt",
                 "bookscorpus": "bookscorpus_one_book_per_line.txt"}[dataset]
         return self.root / "formatted_one_article_per_line" / name
 
-    def sharded(self, dataset):
+    def sharded(self, dataset: str) -> Path:
         o = self.options
         return (self.root / f"sharded_training_shards_{o.n_training_shards}_test_shards_{o.n_test_shards}"
                 f"_fraction_{o.fraction_test_set}" / dataset)
 
-    def hdf5(self, dataset, phase):
+    def hdf5(self, dataset: str, phase: int) -> Path:
         o = self.options
         seq_len, max_pred = PHASES[phase]
         return (self.root / f"hdf5_lower_case_1_seq_len_{seq_len}_max_pred_{max_pred}_masked_lm_prob_"
                 f"{o.masked_lm_prob}_random_seed_{o.random_seed}_dupe_factor_{o.dupe_factor}" / dataset)
 
 
-def sources(dataset):
+def sources(dataset: str) -> tuple[str, ...]:
     """The single-corpus datasets a dataset is built from."""
     return ("bookscorpus", "wikicorpus_en") if dataset == "books_wiki_en_corpus" else (dataset,)
 
 
-def action_download(options, layout):
+def action_download(options: argparse.Namespace, layout: Layout) -> None:
     for source in sources(options.dataset):
         if source == "wikicorpus_en":
             download_wiki(options, layout.wiki_dump())
@@ -251,7 +253,7 @@ def action_download(options, layout):
                   f"{len(book_files(options.books_dir))} found", file=sys.stderr)
 
 
-def action_text_formatting(options, layout):
+def action_text_formatting(options: argparse.Namespace, layout: Layout) -> None:
     for source in sources(options.dataset):
         dest = layout.formatted(source)
         if dest.exists():
@@ -264,7 +266,7 @@ def action_text_formatting(options, layout):
             format_books(options.books_dir, dest)
 
 
-def action_sharding(options, layout):
+def action_sharding(options: argparse.Namespace, layout: Layout) -> None:
     inputs = [layout.formatted(source) for source in sources(options.dataset)]
     missing = [str(p) for p in inputs if not p.exists()]
     if missing:
@@ -278,7 +280,7 @@ def action_sharding(options, layout):
     print(f"sharding: {out_dir} {'written' if made else 'exists, skipping'}", file=sys.stderr)
 
 
-def check_sharding_manifest(out_dir, text_shards, options):
+def check_sharding_manifest(out_dir: Path, text_shards: Path, options: argparse.Namespace) -> None:
     """Record the sharding settings in a new HDF5 directory, or refuse (InputError) to add shards to one made
     with other settings: create_pretraining_data skips the shards that exist, so the old split's shards would
     stay beside the new one's (and a test document could be in a training shard)."""
@@ -306,7 +308,7 @@ def check_sharding_manifest(out_dir, text_shards, options):
     write_text_atomically(manifest, json.dumps(wanted, indent=1) + "\n")
 
 
-def action_create_hdf5_files(options, layout):
+def action_create_hdf5_files(options: argparse.Namespace, layout: Layout) -> None:
     shards = layout.sharded(options.dataset)
     if not shards.exists():
         raise InputError(f"no text shards in {shards}; run --action sharding first")
@@ -323,25 +325,26 @@ def action_create_hdf5_files(options, layout):
         create_pretraining_data.run(settings)
 
 
-ACTIONS = {"download": action_download, "text_formatting": action_text_formatting,
-           "sharding": action_sharding, "create_hdf5_files": action_create_hdf5_files}
+ACTIONS: dict[str, Callable[[argparse.Namespace, Layout], None]] = {
+    "download": action_download, "text_formatting": action_text_formatting,
+    "sharding": action_sharding, "create_hdf5_files": action_create_hdf5_files}
 
 
-def parse_arguments(argv=None):
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--action", required=True, choices=ACTIONS)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--phase", type=int, nargs="+", choices=sorted(PHASES), default=sorted(PHASES),
                         help="create_hdf5_files: 1 = seq 128 / 20 predictions, 2 = seq 512 / 80")
-    types = {"n_training_shards": int, "n_test_shards": int, "fraction_test_set": float, "dupe_factor": int,
-             "random_seed": int, "masked_lm_prob": float, "n_processes": int}
+    types: dict[str, type] = {"n_training_shards": int, "n_test_shards": int, "fraction_test_set": float,
+                              "dupe_factor": int, "random_seed": int, "masked_lm_prob": float, "n_processes": int}
     for option, (variable, default) in ENV_DEFAULTS.items():
         parser.add_argument(f"--{option}", type=types.get(option, str), default=os.environ.get(variable, default),
                             help=f"default: ${variable} or {default!r}")
     return parser.parse_args(argv)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     options = parse_arguments(argv)
     try:
         ACTIONS[options.action](options, Layout(options))

@@ -40,8 +40,10 @@ import random
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TypeAlias
 
 if __name__ == "__main__":  # run as a tool: it uses no BLAS, and OpenBLAS's thread pool costs CPU at start-up
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -62,15 +64,17 @@ WORD_CACHE_LIMIT = 300_000  # distinct words whose pieces are kept (a few tens o
 # alone; a line end is a word of its own (row 0 of the piece table)
 PLAIN_WORD = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \n]|\n")
 MASK_BATCH_ROWS = 4096  # instances assembled and masked per numpy batch
+# One shard to make: (input text files, output shard).
+Job: TypeAlias = tuple[list[Path], Path]
 
 
-def derive_seed(random_seed, shard_name):
+def derive_seed(random_seed: int, shard_name: str) -> int:
     """A 64-bit seed per shard, so that shards built with the same --random_seed differ."""
     digest = hashlib.sha256(f"{random_seed}/{shard_name}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
 
-def read_documents(path, max_document_chars):
+def read_documents(path: str | os.PathLike[str], max_document_chars: int) -> Iterator[list[str]]:
     """Yield the documents (lists of stripped non-empty lines) of a text file; a document reaching
     max_document_chars is cut there (between lines), so that memory stays bounded.
 
@@ -81,7 +85,8 @@ def read_documents(path, max_document_chars):
     with open(path, "rb") as f:
         if b"\0" in f.read(1 << 16):
             raise InputError(f"{path}: binary data (NUL bytes), not text")
-    current, size = [], 0
+    current: list[str] = []
+    size = 0
     try:
         with open(path, encoding="utf-8", errors="strict") as f:
             tail = ""
@@ -96,9 +101,9 @@ def read_documents(path, max_document_chars):
                                      "one sentence or paragraph per line")
                 for has_text, group in itertools.groupby((line.strip() for line in lines), key=bool):
                     if has_text:
-                        group = list(group)
-                        current.extend(group)
-                        size += sum(map(len, group))
+                        texts = list(group)
+                        current.extend(texts)
+                        size += sum(map(len, texts))
                         while size >= max_document_chars:  # cut where the document reaches the limit
                             totals = itertools.accumulate(map(len, current))
                             cut = next(i for i, total in enumerate(totals, 1) if total >= max_document_chars)
@@ -116,13 +121,15 @@ def read_documents(path, max_document_chars):
         yield current
 
 
-def read_document_blocks(path, block_chars):
+def read_document_blocks(path: str | os.PathLike[str], block_chars: int) -> Iterator[list[list[str]]]:
     """Yield lists of documents of about block_chars characters, each with at least two documents
     when the file has two (random-next sentences must come from another document of the block).
 
     Raises InputError for binary, non-UTF-8 or text-free input.
     """
-    held, documents, size = None, [], 0
+    held: list[list[str]] | None = None
+    documents: list[list[str]] = []
+    size = 0
     for document in read_documents(path, max(block_chars, MIN_DOCUMENT_CUT_CHARS)):
         documents.append(document)
         size += sum(map(len, document))
@@ -139,7 +146,7 @@ def read_document_blocks(path, block_chars):
         raise InputError(f"{path}: no text (empty input)")
 
 
-def ragged_gather(values, starts, lengths):
+def ragged_gather(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The concatenation of values[start:start + length] for each (start, length), in order."""
     total = int(lengths.sum())
     ends = np.cumsum(lengths)
@@ -157,19 +164,19 @@ class WordPieceEncoder:
     other lines go through the full tokenizer.
     """
 
-    def __init__(self, vocab_file, do_lower_case):
+    def __init__(self, vocab_file: str | os.PathLike[str], do_lower_case: bool):
         self.full, self.vocab_size, self.special = load_tokenizer(vocab_file, do_lower_case)
         self.plain = load_tokenizer(vocab_file, do_lower_case, plain_ascii=True)[0]
         self.do_lower_case = do_lower_case
         self._clear_word_cache()
 
-    def _clear_word_cache(self):
+    def _clear_word_cache(self) -> None:
         # word -> row of the piece table; row 0 is the line end, with no pieces
-        self.word_rows = {"\n": 0}
+        self.word_rows: dict[str, int] = {"\n": 0}
         self.piece_starts, self.piece_counts = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self.pieces = np.zeros(0, np.int32)
 
-    def _learn_words(self, new):
+    def _learn_words(self, new: list[str]) -> None:
         """Add the pieces of these distinct words, not yet in the table (one encoding of them all,
         space-separated: each is one pre-tokenizer word)."""
         encoding = self.plain.encode(" ".join(new), add_special_tokens=False)
@@ -179,7 +186,7 @@ class WordPieceEncoder:
         self.piece_counts = np.concatenate([self.piece_counts, counts])
         self.pieces = np.concatenate([self.pieces, np.array(encoding.ids, dtype=np.int32)])
 
-    def _word_rows(self, words):
+    def _word_rows(self, words: list[str]) -> np.ndarray:
         """Rows of the words in the piece table, learning the missing ones (the table is emptied first
         when it has grown too large)."""
         if len(self.word_rows) > WORD_CACHE_LIMIT:
@@ -192,7 +199,7 @@ class WordPieceEncoder:
                                         np.int64, count=len(missing))
         return rows
 
-    def _encode_plain(self, lines):
+    def _encode_plain(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(flat ids, ids per line) of printable ASCII lines, by the word table."""
         text = "\n".join(lines) + "\n"
         words = PLAIN_WORD.findall(text.lower() if self.do_lower_case else text)
@@ -201,13 +208,13 @@ class WordPieceEncoder:
         line_ends = np.cumsum(counts)[rows == 0]
         return ragged_gather(self.pieces, self.piece_starts[rows], counts), np.diff(line_ends, prepend=0)
 
-    def _encode_full(self, lines):
+    def _encode_full(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(flat ids, ids per line) through the full tokenizer."""
         ids = [encoding.ids for encoding in self.full.encode_batch_fast(lines, add_special_tokens=False)]
         flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32)
         return flat, np.fromiter(map(len, ids), np.int64, count=len(ids))
 
-    def encode_lines(self, lines):
+    def encode_lines(self, lines: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(flat int32 ids of the lines in order, int64 number of ids of each line)."""
         texts, is_plain = list(lines), np.ones(len(lines), bool)
         for index in [i for i, line in enumerate(lines) if not (line.isascii() and line.isprintable())]:
@@ -225,7 +232,7 @@ class WordPieceEncoder:
         return ragged_gather(np.concatenate([plain_ids, full_ids]), source_starts, counts), counts
 
 
-def tokenize_documents(encoder, documents):
+def tokenize_documents(encoder: WordPieceEncoder, documents: Sequence[list[str]]) -> tuple[np.ndarray, list[list[int]]]:
     """WordPiece ids of a block: (flat int32 array, per document the segment boundaries in it).
 
     Lines that tokenize to nothing are dropped, then documents left without segments.
@@ -250,7 +257,8 @@ def tokenize_documents(encoder, documents):
     return flat, boundaries
 
 
-def document_instances(doc_index, boundaries, max_num_tokens, short_seq_prob, rng, out):
+def document_instances(doc_index: int, boundaries: list[list[int]], max_num_tokens: int, short_seq_prob: float,
+                       rng: random.Random, out: list[tuple[int, int, int, int, int]]) -> None:
     """Append (a_start, a_len, b_start, b_len, is_random_next) for one document to ``out``.
 
     Google's create_instances_from_document on segment boundaries (flat token offsets) instead
@@ -259,7 +267,7 @@ def document_instances(doc_index, boundaries, max_num_tokens, short_seq_prob, rn
     """
     uniform = rng.random
 
-    def uniform_int(low, high):  # rng.randint(low, high), at a fraction of its cost
+    def uniform_int(low: int, high: int) -> int:  # rng.randint(low, high), at a fraction of its cost
         return low + int(uniform() * (high - low + 1))
 
     bounds = boundaries[doc_index]
@@ -288,7 +296,7 @@ def document_instances(doc_index, boundaries, max_num_tokens, short_seq_prob, rn
         chunk_start = i
 
 
-def truncate_pairs(specs, max_num_tokens, np_rng):
+def truncate_pairs(specs: np.ndarray, max_num_tokens: int, np_rng: np.random.Generator) -> None:
     """Cut A and B to at most max_num_tokens together, in place on the int64 spec array.
 
     The reference removes one token at a time from the longer side (B on ties), from the front
@@ -313,7 +321,8 @@ def truncate_pairs(specs, max_num_tokens, np_rng):
     specs[:, 3] -= cut_b
 
 
-def assemble_batch(flat, specs, seq_len, special):
+def assemble_batch(flat: np.ndarray, specs: np.ndarray, seq_len: int,
+                   special: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Token matrix [CLS] A [SEP] B [SEP] + padding, segment ids, input mask, and sequence lengths.
 
     The real tokens of all rows are gathered in one pass (A with one neighbour on each side, B with
@@ -339,7 +348,8 @@ def assemble_batch(flat, specs, seq_len, special):
     return input_ids, segment_ids, real.view(np.int8), seq_length
 
 
-def choose_candidates(num_candidates, num_to_predict, np_rng):
+def choose_candidates(num_candidates: np.ndarray, num_to_predict: np.ndarray,
+                      np_rng: np.random.Generator) -> np.ndarray:
     """Per row a uniformly random set of num_to_predict of the candidate indices 0..num_candidates-1:
     Floyd's algorithm, one step for all rows at a time. Returns (rows, max count) sorted indices,
     unused slots (rows choosing fewer) last and equal to num_candidates.max()."""
@@ -366,7 +376,8 @@ def choose_candidates(num_candidates, num_to_predict, np_rng):
     return np.sort(result, axis=1)
 
 
-def mask_batch(input_ids, a_len, seq_length, settings, vocab_size, special, np_rng):
+def mask_batch(input_ids: np.ndarray, a_len: np.ndarray, seq_length: np.ndarray, settings: argparse.Namespace,
+               vocab_size: int, special: dict[str, int], np_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Google's masking, vectorised: returns (masked_lm_positions, masked_lm_ids); edits input_ids.
 
     Candidates are all real tokens but [CLS] and the two [SEP]s. A row masks
@@ -394,18 +405,20 @@ def mask_batch(input_ids, a_len, seq_length, settings, vocab_size, special, np_r
     return positions.astype(np.int32), labels
 
 
-def block_instance_specs(boundaries, settings, rng, np_rng):
+def block_instance_specs(boundaries: list[list[int]], settings: argparse.Namespace, rng: random.Random,
+                         np_rng: np.random.Generator) -> np.ndarray:
     """Instance specs of one block: documents shuffled, dupe_factor passes, instances shuffled."""
     max_num_tokens = settings.max_seq_length - 3
     rng.shuffle(boundaries)
-    specs = []
+    specs: list[tuple[int, int, int, int, int]] = []
     for _ in range(settings.dupe_factor):
         for doc_index in range(len(boundaries)):
             document_instances(doc_index, boundaries, max_num_tokens, settings.short_seq_prob, rng, specs)
     return np_rng.permutation(np.array(specs, dtype=np.int64).reshape(-1, 5))
 
 
-def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
+def write_block(writer: ShardWriter, flat: np.ndarray, specs: np.ndarray, settings: argparse.Namespace, vocab_size: int,
+                special: dict[str, int], np_rng: np.random.Generator) -> None:
     """Truncate, assemble, mask and append a block's instances in batches."""
     truncate_pairs(specs, settings.max_seq_length - 3, np_rng)
     for start in range(0, len(specs), MASK_BATCH_ROWS):
@@ -417,10 +430,10 @@ def write_block(writer, flat, specs, settings, vocab_size, special, np_rng):
                        "next_sentence_labels": batch[:, 4].astype(np.int8)})
 
 
-_ENCODERS = {}
+_ENCODERS: dict[tuple[str, bool], "WordPieceEncoder"] = {}
 
 
-def cached_encoder(vocab_file, do_lower_case):
+def cached_encoder(vocab_file: str, do_lower_case: bool) -> WordPieceEncoder:
     """The WordPieceEncoder of a vocab, loaded once per process (forked workers inherit it)."""
     key = (vocab_file, do_lower_case)
     if key not in _ENCODERS:
@@ -428,7 +441,8 @@ def cached_encoder(vocab_file, do_lower_case):
     return _ENCODERS[key]
 
 
-def create_shard(input_paths, output_path, settings, show_progress=False):
+def create_shard(input_paths: Sequence[str | os.PathLike[str]], output_path: str | os.PathLike[str],
+                 settings: argparse.Namespace, show_progress: bool = False) -> int:
     """Build one shard from input text files; returns the number of instances written."""
     encoder = cached_encoder(settings.vocab_file, settings.do_lower_case)
     seed = derive_seed(settings.random_seed, Path(output_path).stem)
@@ -449,7 +463,7 @@ def create_shard(input_paths, output_path, settings, show_progress=False):
     return writer.num_samples
 
 
-def str_to_bool(text):
+def str_to_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):
@@ -457,7 +471,7 @@ def str_to_bool(text):
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-def parse_arguments(argv=None):
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input_file", required=True,
                         help="text file, directory of *.txt files, or comma-separated list of files")
@@ -494,7 +508,7 @@ def parse_arguments(argv=None):
     return settings
 
 
-def list_inputs(spec):
+def list_inputs(spec: str) -> list[Path]:
     """Input text files of --input_file (a file, a directory of *.txt, or a comma-separated list)."""
     paths = []
     for item in spec.split(","):
@@ -511,7 +525,7 @@ def list_inputs(spec):
     return paths
 
 
-def plan_jobs(settings):
+def plan_jobs(settings: argparse.Namespace) -> list[Job]:
     """[(input paths, output path)]: one shard for all inputs, or one per input in a directory."""
     inputs = list_inputs(settings.input_file)
     output = Path(settings.output_file)
@@ -523,7 +537,7 @@ def plan_jobs(settings):
         if output.exists() and not output.is_dir():
             raise InputError(f"--output_file {output} is an existing file, not a directory")
         jobs = [([path], output / f"{path.stem}.hdf5") for path in inputs]
-        first_input = {}
+        first_input: dict[Path, Path] = {}
         for (path,), shard in jobs:  # two inputs named alike would write, and count, one shard
             if first_input.setdefault(shard, path) != path:
                 raise InputError(f"inputs {first_input[shard]} and {path} would both be written to {shard}: "
@@ -535,13 +549,13 @@ def plan_jobs(settings):
     return jobs
 
 
-def remove_stale_temporaries(jobs):
+def remove_stale_temporaries(jobs: Iterable[tuple[object, Path]]) -> None:
     """Delete temporary files of these outputs left by a killed or failed run."""
     for _, path in jobs:
         atomic_write.remove_stale_temporaries(path)
 
 
-def _run_job(job_and_settings):
+def _run_job(job_and_settings: tuple[Job, argparse.Namespace, bool]) -> tuple[Path, int, str | None]:
     """(output, instances, error message or None): a bad shard must not kill its siblings mid-write."""
     (inputs, output), settings, show_progress = job_and_settings
     try:
@@ -550,7 +564,8 @@ def _run_job(job_and_settings):
         return output, 0, str(err)
 
 
-def run(settings, existing=(), on_shard_done=None):
+def run(settings: argparse.Namespace, existing: Collection[str] = (),
+        on_shard_done: Callable[[Path], None] | None = None) -> int:
     """existing: names of shards that exist elsewhere (S3) and count as done; on_shard_done(path) is
     called in this process for each shard written."""
     cached_encoder(settings.vocab_file, settings.do_lower_case)  # fail early on a bad vocab
@@ -583,11 +598,13 @@ def run(settings, existing=(), on_shard_done=None):
     return total
 
 
-def run_with_s3(settings):
+def run_with_s3(settings: argparse.Namespace) -> int:
     """run() with s3:// inputs downloaded first and shards for an s3:// output uploaded one by one."""
     endpoint = settings.s3_endpoint_url
     with tempfile.TemporaryDirectory(prefix="bert-data-s3-") as staging:
-        local, existing, on_shard_done = argparse.Namespace(**vars(settings)), (), None
+        local = argparse.Namespace(**vars(settings))
+        existing: Collection[str] = ()
+        on_shard_done: Callable[[Path], None] | None = None
         if storage.is_s3_url(settings.input_file):
             local.input_file = str(download_text(settings.input_file, endpoint, Path(staging) / "text"))
         if storage.is_s3_url(settings.output_file):
@@ -598,13 +615,15 @@ def run_with_s3(settings):
             existing = {remote.name for remote in output.list_objects()}
             local.output_file = str(Path(staging) / "shards")
 
-            def on_shard_done(path):
+            def upload(path: Path) -> None:
                 output.upload(path, path.name)
                 path.unlink()
+
+            on_shard_done = upload
         return run(local, existing, on_shard_done)
 
 
-def download_text(url, endpoint, directory: Path) -> Path:
+def download_text(url: str, endpoint: str | None, directory: Path) -> Path:
     """The *.txt objects directly under an s3:// prefix (or the one object a .txt URL names), verified,
     in `directory`; returns what to use as --input_file."""
     directory.mkdir(parents=True)
@@ -621,7 +640,7 @@ def download_text(url, endpoint, directory: Path) -> Path:
     return directory
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_arguments(argv)
     try:
         if storage.is_s3_url(settings.input_file) or storage.is_s3_url(settings.output_file):

@@ -27,16 +27,19 @@ Batches are tuples of int64 tensors in the reference's order: input_ids, segment
 masked_lm_labels (-1 except at masked positions), next_sentence_labels.
 """
 
+import os
 import queue
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any, Protocol, Self, TypeVar
 
 import h5py
 import numpy as np
 import torch
 
-from data.shard_format import SHARD_KEYS, ShardError, is_training_shard_name, read_shard_header
+from data.shard_format import SHARD_KEYS, Rows, ShardError, is_training_shard_name, read_shard_header
 
 BATCH_FIELDS = ("input_ids", "segment_ids", "input_mask", "masked_lm_labels", "next_sentence_labels")
 # Upper bound of the in-memory size of one sample: every field as int64 (3 x seq_len + 2 x max_pred + 1).
@@ -46,7 +49,7 @@ _BYTES_PER_ELEMENT = 8
 class BadShardRows(ShardError):
     """Rows of one shard cannot be read or hold out-of-range values; `shard` is the ShardInfo."""
 
-    def __init__(self, shard, message):
+    def __init__(self, shard: "ShardInfo", message: str):
         super().__init__(f"{shard.path}: {message}")
         self.shard = shard
 
@@ -61,40 +64,56 @@ class ShardInfo:
         return str(self.path).rsplit("/", 1)[-1]
 
 
+# How a shard-files object names its shards: a local Path (LocalShardFiles), an s3:// URL (storage.ShardCache).
+Name = TypeVar("Name")
+
+
+class ShardFiles(Protocol[Name]):
+    """Where shards live: the methods of LocalShardFiles (the reader calls them in the order described there)."""
+
+    def list_files(self) -> list[Name]: ...
+    def header_file(self, path: Name) -> Path | IO[bytes]: ...
+    def local_path(self, path: Name) -> Path: ...
+    def release(self) -> None: ...
+    def prefetch(self, path: Name) -> None: ...
+    def close(self) -> None: ...
+
+
 class LocalShardFiles:
     """Shards in a local directory. The interface the reader needs from where shards live."""
 
-    def __init__(self, input_dir):
+    def __init__(self, input_dir: str | os.PathLike[str]):
         self.input_dir = Path(input_dir)
 
-    def list_files(self) -> list:
+    def list_files(self) -> list[Path]:
         return sorted(p for p in self.input_dir.iterdir() if p.is_file())
 
-    def header_file(self, path):
+    def header_file(self, path: Path) -> Path:
         """What h5py opens to read the header (a path or a file object)."""
         return path
 
-    def local_path(self, path) -> Path:
+    def local_path(self, path: Path) -> Path:
         """The local file to read rows of `path` from (called just before each read)."""
         return Path(path)
 
     def release(self) -> None:
         """The reader has the rows it needs in memory: the shard it read last may go (e.g. be evicted)."""
 
-    def prefetch(self, path) -> None:
+    def prefetch(self, path: Path) -> None:
         """`path` is the next shard in layout order."""
 
     def close(self) -> None:
         """Stop background work (the reader is done)."""
 
 
-def find_training_shards(shard_files) -> list:
+def find_training_shards(shard_files: ShardFiles[Name]) -> list[Name]:
     """Sorted training shards (shard_format.is_training_shard_name): the reference takes any file whose name
     contains 'training', which would take a killed writer's hidden temporary for a shard."""
     return [p for p in shard_files.list_files() if is_training_shard_name(str(p).rsplit("/", 1)[-1])]
 
 
-def scan_shards(input_dir, shard_files=None):
+def scan_shards(input_dir: str | os.PathLike[str],
+                shard_files: ShardFiles[Any] | None = None) -> tuple[list[ShardInfo], int, int]:
     """Validate the header of every training shard; return (shards, seq_len, max_pred).
 
     shard_files: where the shards live (default: LocalShardFiles(input_dir)).
@@ -105,7 +124,8 @@ def scan_shards(input_dir, shard_files=None):
     paths = find_training_shards(shard_files)
     if not paths:
         raise ShardError(f"{input_dir}: no training shards (.hdf5 or .h5 files whose name contains 'training')")
-    shards, shapes = [], {}
+    shards = []
+    shapes: dict[tuple[int, int], object] = {}
     for path in paths:
         num_samples, seq_len, max_pred = read_shard_header(path, shard_files.header_file(path))
         shapes.setdefault((seq_len, max_pred), path)
@@ -126,7 +146,7 @@ def window_size_for_budget(budget_bytes: int, seq_len: int, max_pred: int) -> in
 class SampleStream:
     """Pure mapping from stream positions to (shard, row); no file access, no global RNG."""
 
-    def __init__(self, shards, seed: int, window_size: int, shuffle: bool = True):
+    def __init__(self, shards: Iterable[ShardInfo], seed: int, window_size: int, shuffle: bool = True):
         self.shards = [s for s in shards if s.num_samples > 0]
         if not self.shards:
             raise ShardError("every training shard is empty (or was skipped)")
@@ -136,12 +156,12 @@ class SampleStream:
     def epoch_of(self, position: int) -> int:
         return position // self.epoch_size
 
-    def shard_order(self, epoch: int) -> list:
+    def shard_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.shards)))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards)).tolist()
 
-    def window_pieces(self, epoch: int, window: int) -> list:
+    def window_pieces(self, epoch: int, window: int) -> list[tuple[ShardInfo, int, int]]:
         """(shard, first_row, end_row) ranges that make up window `window` of `epoch`, in layout order."""
         start = window * self.window_size
         end = min(start + self.window_size, self.epoch_size)
@@ -154,7 +174,7 @@ class SampleStream:
             offset += shard.num_samples
         return pieces
 
-    def shard_after(self, epoch: int, window: int):
+    def shard_after(self, epoch: int, window: int) -> ShardInfo:
         """The shard read after window `window` of `epoch` (the next epoch's first one at the end)."""
         last = self.window_pieces(epoch, window)[-1][0]
         order = [self.shards[i] for i in self.shard_order(epoch)]
@@ -179,7 +199,8 @@ def masked_lm_labels(positions: np.ndarray, ids: np.ndarray, seq_len: int) -> np
     return labels
 
 
-def _read_piece(shard: ShardInfo, local_path, first: int, end: int, vocab_size: int, type_vocab_size: int) -> dict:
+def _read_piece(shard: ShardInfo, local_path: str | os.PathLike[str], first: int, end: int, vocab_size: int,
+                type_vocab_size: int) -> Rows:
     """Rows [first, end) of one shard as numpy arrays, with every value the model indexes by checked: a value
     out of range would otherwise fail in the first step's embedding or loss (an IndexError, not a shard)."""
     try:
@@ -212,22 +233,23 @@ class WindowReader:
     vocab_size, type_vocab_size: the model's; a token id or segment id at or above them is a bad row.
     """
 
-    def __init__(self, shards, seed, window_size, vocab_size, shuffle=True, skip_bad_shards=False,
-                 skipped_shards=(), shard_files=None, type_vocab_size=2):
+    def __init__(self, shards: Iterable[ShardInfo], seed: int, window_size: int, vocab_size: int, shuffle: bool = True,
+                 skip_bad_shards: bool = False, skipped_shards: Iterable[str | Path] = (),
+                 shard_files: ShardFiles[Any] | None = None, type_vocab_size: int = 2):
         self.all_shards, self.seed, self.window_size = list(shards), seed, window_size
-        self.shard_files = shard_files or LocalShardFiles(".")
+        self.shard_files: ShardFiles[Any] = shard_files or LocalShardFiles(".")
         self.vocab_size, self.type_vocab_size = vocab_size, type_vocab_size
         self.shuffle, self.skip_bad_shards = shuffle, skip_bad_shards
         self.skip_shards(skipped_shards)
 
-    def skip_shards(self, names) -> None:
+    def skip_shards(self, names: Iterable[str | Path]) -> None:
         """Drop these shards (names or paths) from the stream: its layout is recomputed without them."""
         self.skipped_shards = [str(name).rsplit("/", 1)[-1] for name in names]
         kept = [s for s in self.all_shards if s.name not in self.skipped_shards]
         self.stream = SampleStream(kept, self.seed, self.window_size, self.shuffle)
-        self._window_key, self._window = None, None
+        self._window: tuple[tuple[int, int], Rows] | None = None  # ((epoch, window), its rows)
 
-    def _load_window(self, epoch: int, window: int) -> dict:
+    def _load_window(self, epoch: int, window: int) -> Rows:
         try:
             pieces = [_read_piece(shard, self.shard_files.local_path(shard.path), first, end, self.vocab_size,
                                   self.type_vocab_size)
@@ -241,15 +263,15 @@ class WindowReader:
         order = self.stream.window_permutation(epoch, window, len(arrays["input_ids"]))
         return {key: value[order] for key, value in arrays.items()}
 
-    def _window_for(self, position: int):
+    def _window_for(self, position: int) -> tuple[Rows, int]:
         """(window arrays, index of `position` inside them), loading the window when needed."""
         epoch, in_epoch = divmod(position, self.stream.epoch_size)
         window, index = divmod(in_epoch, self.window_size)
-        if self._window_key != (epoch, window):
-            self._window, self._window_key = self._load_window(epoch, window), (epoch, window)
-        return self._window, index
+        if self._window is None or self._window[0] != (epoch, window):
+            self._window = (epoch, window), self._load_window(epoch, window)
+        return self._window[1], index
 
-    def read(self, start: int, count: int) -> dict:
+    def read(self, start: int, count: int) -> Rows:
         """Numpy arrays (SHARD_KEYS) of the samples at positions [start, start + count)."""
         while True:
             try:
@@ -259,7 +281,7 @@ class WindowReader:
                     raise
                 self.skip_shards([*self.skipped_shards, err.shard.name])
 
-    def _read_positions(self, start: int, count: int) -> dict:
+    def _read_positions(self, start: int, count: int) -> Rows:
         parts, position, end = [], start, start + count
         while position < end:
             window, index = self._window_for(position)
@@ -269,7 +291,7 @@ class WindowReader:
         return {key: np.concatenate([p[key] for p in parts]) for key in SHARD_KEYS}
 
 
-def to_batch(arrays: dict) -> tuple:
+def to_batch(arrays: Rows) -> tuple[torch.Tensor, ...]:
     """Numpy shard rows -> the reference's tuple of int64 tensors (see BATCH_FIELDS)."""
     seq_len = arrays["input_ids"].shape[1]
     labels = masked_lm_labels(arrays["masked_lm_positions"], arrays["masked_lm_ids"], seq_len)
@@ -280,12 +302,12 @@ def to_batch(arrays: dict) -> tuple:
 
 @dataclass
 class MicroBatch:
-    tensors: tuple          # see BATCH_FIELDS
+    tensors: tuple[torch.Tensor, ...]  # see BATCH_FIELDS
     position: int           # stream position of the first sample of this global micro-batch
     next_position: int      # position after this global micro-batch (= samples consumed after it)
     epoch: int              # epoch of the first sample
     crosses_epoch: bool     # the global micro-batch ends in the next epoch
-    skipped_shards: tuple   # shards dropped so far (--skip_bad_shards)
+    skipped_shards: tuple[str, ...]  # shards dropped so far (--skip_bad_shards)
 
 
 class RankBatches:
@@ -298,7 +320,7 @@ class RankBatches:
                  start_position: int, prefetch: int = 4):
         self.reader, self.rank, self.micro_batch = reader, rank, micro_batch
         self.global_batch = micro_batch * world_size  # may exceed an epoch: it then wraps into the next ones
-        self._queue = queue.Queue(maxsize=prefetch)
+        self._queue: queue.Queue[MicroBatch | Exception] = queue.Queue(maxsize=prefetch)
         self._start(start_position)
 
     def _start(self, position: int) -> None:
@@ -314,7 +336,7 @@ class RankBatches:
                           stream.epoch_of(position), stream.epoch_of(last) != stream.epoch_of(position),
                           tuple(self.reader.skipped_shards))
 
-    def restart(self, position: int, skipped_shards) -> None:
+    def restart(self, position: int, skipped_shards: Iterable[str | Path]) -> None:
         """Discard the micro-batches prepared so far and go on from `position` with the reader's stream
         without `skipped_shards` (the shards every rank has agreed to drop)."""
         self._stop.set()
@@ -324,10 +346,10 @@ class RankBatches:
         self.reader.skip_shards(skipped_shards)
         self._start(position)
 
-    def _produce(self, position: int):
+    def _produce(self, position: int) -> None:
         while not self._stop.is_set():
             try:
-                item = self._make(position)
+                item: MicroBatch | Exception = self._make(position)
             except Exception as err:  # handed to the consumer thread, which re-raises it
                 item = err
             while not self._stop.is_set():
@@ -340,7 +362,7 @@ class RankBatches:
                 return
             position += self.global_batch
 
-    def __iter__(self):
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> MicroBatch:
@@ -349,6 +371,6 @@ class RankBatches:
             raise item
         return item
 
-    def close(self):
+    def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

@@ -10,18 +10,21 @@ fine-tune -> evaluate can be tried without downloading GLUE. The dev set shares 
 
 import argparse
 import gzip
+import os
 import random
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 BOOKS = Path(__file__).resolve().parent / "sample" / "books"
 RULE_WORD = re.compile(r"\bher\b", re.IGNORECASE)
 
 
-def book_sentences(min_words=6, max_words=30) -> list:
+def book_sentences(min_words: int = 6, max_words: int = 30) -> list[str]:
     """Sentences of the sample novels (paragraphs joined, split after . ! ?), deduplicated, in book order."""
-    sentences, seen = [], set()
+    sentences: list[str] = []
+    seen: set[str] = set()
     for path in sorted(BOOKS.glob("*.txt.gz")):
         with gzip.open(path, "rt", encoding="utf-8") as file:
             paragraphs = re.split(r"\n\s*\n", file.read())
@@ -33,7 +36,7 @@ def book_sentences(min_words=6, max_words=30) -> list:
     return sentences
 
 
-def rule_labelled_sentences(count: int, seed: int = 0) -> list:
+def rule_labelled_sentences(count: int, seed: int = 0) -> list[tuple[str, int]]:
     """`count` (sentence, label) pairs, half of each class: label 1 when the sentence has the word "her"."""
     rng = random.Random(seed)
     sentences = book_sentences()
@@ -47,7 +50,8 @@ def rule_labelled_sentences(count: int, seed: int = 0) -> list:
     return pairs
 
 
-def write_sst2_rule_task(directory, n_train: int, n_dev: int, shuffle_train_labels=False, seed: int = 0) -> Path:
+def write_sst2_rule_task(directory: str | os.PathLike[str], n_train: int, n_dev: int,
+                         shuffle_train_labels: bool = False, seed: int = 0) -> Path:
     """train.tsv and dev.tsv in SST-2's layout. shuffle_train_labels: the negative control of the tests,
     the same sentences with their training labels permuted."""
     directory = Path(directory)
@@ -63,7 +67,7 @@ def write_sst2_rule_task(directory, n_train: int, n_dev: int, shuffle_train_labe
     return directory
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write the sample 'her' task in SST-2's TSV layout.")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--train", type=int, default=2200, help="training examples")

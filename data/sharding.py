@@ -20,6 +20,8 @@ import heapq
 import multiprocessing
 import os
 from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from multiprocessing.pool import Pool
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +36,7 @@ class ShardingError(ValueError):
     """Impossible shard counts or no usable text."""
 
 
-def split_sentences(articles):
+def split_sentences(articles: Iterable[str]) -> list[list[str]]:
     """Sentences (one list per article) of a batch of articles, with blingfire."""
     import blingfire
 
@@ -42,8 +44,8 @@ def split_sentences(articles):
             for article in articles]
 
 
-def read_article_batches(input_files):
-    batch = []
+def read_article_batches(input_files: Iterable[str | os.PathLike[str]]) -> Iterator[list[str]]:
+    batch: list[str] = []
     for path in input_files:
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -56,10 +58,10 @@ def read_article_batches(input_files):
         yield batch
 
 
-def split_in_windows(pool, batches, window):
+def split_in_windows(pool: Pool, batches: Iterable[list[str]], window: int) -> Iterator[list[str]]:
     """Sentences of each article, in order; at most ``window`` batches in flight (Pool.imap would
     read the whole input ahead of the workers)."""
-    pending = []
+    pending: list[list[str]] = []
     for batch in batches:
         pending.append(batch)
         if len(pending) == window:
@@ -68,7 +70,8 @@ def split_in_windows(pool, batches, window):
     yield from (article for result in pool.map(split_sentences, pending) for article in result)
 
 
-def split_to_scratch(input_files, scratch, n_processes):
+def split_to_scratch(input_files: Sequence[str | os.PathLike[str]], scratch: Path,
+                     n_processes: int) -> tuple[np.ndarray, np.ndarray]:
     """Write every article's sentences to ``scratch``; return (byte offsets, sentence counts)."""
     offsets, counts = array("q"), array("q")
     total_bytes = sum(os.path.getsize(p) for p in input_files)
@@ -86,12 +89,12 @@ def split_to_scratch(input_files, scratch, n_processes):
     return np.frombuffer(offsets, dtype=np.int64), np.frombuffer(counts, dtype=np.int64)
 
 
-def check_shard_counts(n_training, n_test, fraction_test):
+def check_shard_counts(n_training: int, n_test: int, fraction_test: float) -> None:
     if n_training < 1 or n_test < 0 or (n_test > 0) != (fraction_test > 0) or not 0 <= fraction_test < 1:
         raise ShardingError("need >= 1 training shard, and test shards exactly when 0 < fraction_test_set < 1")
 
 
-def assign_articles(counts, n_training, n_test, fraction_test):
+def assign_articles(counts: np.ndarray, n_training: int, n_test: int, fraction_test: float) -> np.ndarray:
     """Shard index of each article (training shards 0..N-1, test shards N..N+M-1), balanced greedily."""
     check_shard_counts(n_training, n_test, fraction_test)
     if len(counts) < n_training + n_test:
@@ -112,7 +115,8 @@ def assign_articles(counts, n_training, n_test, fraction_test):
     return shard_of
 
 
-def write_shards(scratch, offsets, shard_of, names, out_dir):
+def write_shards(scratch: Path, offsets: np.ndarray, shard_of: np.ndarray, names: Sequence[str],
+                 out_dir: Path) -> None:
     """Copy each shard's articles (in input order) from the scratch file into out_dir/<name>."""
     ends = np.append(offsets[1:], os.path.getsize(scratch))
     order = np.lexsort((offsets, shard_of))
@@ -125,7 +129,8 @@ def write_shards(scratch, offsets, shard_of, names, out_dir):
                     out.write(src.read(ends[article] - offsets[article]))
 
 
-def shard_corpus(input_files, out_dir, dataset, n_training, n_test, fraction_test, n_processes):
+def shard_corpus(input_files: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], dataset: str,
+                 n_training: int, n_test: int, fraction_test: float, n_processes: int) -> bool:
     """Build out_dir atomically (a temporary directory renamed at the end); skip if it exists."""
     out_dir = Path(out_dir)
     if out_dir.exists():

@@ -10,6 +10,7 @@ The SQuAD files are licensed CC BY-SA 4.0 by their authors (Rajpurkar et al.).
 import argparse
 import os
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from common.errors import InputError
@@ -25,7 +26,8 @@ SHA256 = {
 VERSIONS = ("v1.1", "v2.0")
 
 
-def download(output_dir, versions=VERSIONS, base_url=DEFAULT_BASE_URL, checksums=SHA256) -> list:
+def download(output_dir: str | os.PathLike[str], versions: Iterable[str] = VERSIONS, base_url: str = DEFAULT_BASE_URL,
+             checksums: Mapping[str, str] = SHA256) -> list[Path]:
     """Fetch and verify the train and dev files of each version; returns their paths."""
     paths = []
     for version in versions:
@@ -38,7 +40,7 @@ def download(output_dir, versions=VERSIONS, base_url=DEFAULT_BASE_URL, checksums
     return paths
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default=str(Path(__file__).resolve().parent / "squad"))
     parser.add_argument("--versions", nargs="+", choices=VERSIONS, default=list(VERSIONS))

@@ -16,10 +16,13 @@ SQuAD JSON format: the layout that scripts/run_squad.sh reads with SQUAD_DIR=<ou
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from data.glue_sample import book_sentences
 
@@ -27,12 +30,12 @@ TEMPLATE_WORDS = {"where", "the", "word"}  # never asked for (and "the" normalis
 VERSIONS = {"v1.1": "1.1", "v2.0": "v2.0"}  # directory and file names -> the official files' "version"
 
 
-def sample_sentences() -> list:
+def sample_sentences() -> list[str]:
     """Sentences of 8 to 30 words of the sample novels, in book order."""
     return book_sentences(min_words=8, max_words=30)
 
 
-def candidate_words(sentence: str) -> dict:
+def candidate_words(sentence: str) -> dict[str, int]:
     """Words of 3+ letters that occur once in the sentence (case-insensitive), except the question template's
     words, with their character offsets."""
     words = {}
@@ -44,7 +47,8 @@ def candidate_words(sentence: str) -> dict:
     return words
 
 
-def word_questions(sentences, per_sentence, seed, id_prefix="q", shuffled=False) -> list:
+def word_questions(sentences: Sequence[str], per_sentence: int, seed: int, id_prefix: str = "q",
+                   shuffled: bool = False) -> list[dict[str, Any]]:
     """SQuAD paragraphs: per sentence, up to per_sentence questions 'Where is the word W?' about candidate
     words W; the answer is W. shuffled=True (the tests' negative control): the answer is another candidate
     word of the sentence, drawn at random, so the question does not determine it."""
@@ -63,7 +67,8 @@ def word_questions(sentences, per_sentence, seed, id_prefix="q", shuffled=False)
     return paragraphs
 
 
-def add_unanswerable(paragraphs, every, seed, id_prefix="n") -> list:
+def add_unanswerable(paragraphs: list[dict[str, Any]], every: int, seed: int,
+                     id_prefix: str = "n") -> list[dict[str, Any]]:
     """SQuAD v2.0: to every `every`-th paragraph, one question about a word of another paragraph that its
     context does not contain (case-insensitive), with no answer and is_impossible true. Returns paragraphs."""
     rng = random.Random(seed)
@@ -78,7 +83,8 @@ def add_unanswerable(paragraphs, every, seed, id_prefix="n") -> list:
     return paragraphs
 
 
-def write_squad(path, paragraphs, version="1.1", title="sample") -> Path:
+def write_squad(path: str | os.PathLike[str], paragraphs: list[dict[str, Any]], version: str = "1.1",
+                title: str = "sample") -> Path:
     """A SQuAD JSON file with one article holding `paragraphs`; returns its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +92,8 @@ def write_squad(path, paragraphs, version="1.1", title="sample") -> Path:
     return path
 
 
-def write_sample(directory, n_train: int, n_dev: int, seed: int = 0) -> dict:
+def write_sample(directory: str | os.PathLike[str], n_train: int, n_dev: int,
+                 seed: int = 0) -> dict[str, tuple[Path, Path]]:
     """The four files of the sample under `directory` (from n_train and n_dev sentences, two questions per
     training sentence, one per dev sentence; v2.0 adds an unanswerable question to every third one).
     Returns {version: (train path, dev path)}."""
@@ -110,7 +117,7 @@ def write_sample(directory, n_train: int, n_dev: int, seed: int = 0) -> dict:
     return written
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Write a SQuAD v1.1 and v2.0 sample from the sentences of data/sample/books.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

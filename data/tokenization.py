@@ -1,13 +1,19 @@
 """BERT WordPiece tokenization of a vocab.txt with Hugging Face `tokenizers`: one definition for the
 pretraining data tool and the fine-tuning readers (finetune/glue.py, finetune/squad.py)."""
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.errors import InputError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]")
 
 
-def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
+def load_tokenizer(vocab_file: str | os.PathLike[str], do_lower_case: bool,
+                   plain_ascii: bool = False) -> tuple["Tokenizer", int, dict[str, int]]:
     """Return (tokenizer, vocab_size, {special token: id}) for a BERT vocab.txt.
 
     plain_ascii: a faster tokenizer without normalizer, for printable ASCII text that the caller
@@ -30,8 +36,9 @@ def load_tokenizer(vocab_file, do_lower_case, plain_ascii=False):
     if not plain_ascii:
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case, strip_accents=do_lower_case)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    missing = [token for token, token_id in special.items() if token_id is None]
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    special = {token: token_id for token, token_id in ids.items() if token_id is not None}
+    missing = [token for token in SPECIAL_TOKENS if token not in special]
     if missing:
         raise InputError(f"vocab file {vocab_file} lacks {', '.join(missing)}")
     return tokenizer, tokenizer.get_vocab_size(), special

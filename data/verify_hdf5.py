@@ -9,19 +9,22 @@ Per shard: the schema (keys, ranks, integer dtypes, equal row counts), ids insid
 Exit status 1 if any shard is bad (each reported on one line), 0 otherwise.
 """
 import argparse
+import os
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import h5py
 import numpy as np
+import numpy.typing as npt
 
-from data.shard_format import SHARD_KEYS, ShardError, is_shard_name, read_shard_header
+from data.shard_format import SHARD_KEYS, Rows, ShardError, is_shard_name, read_shard_header
 
 ROWS_PER_READ = 8192
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def load_special_ids(vocab_file):
+def load_special_ids(vocab_file: str | os.PathLike[str]) -> tuple[int, dict[str, int]]:
     with open(vocab_file, encoding="utf-8") as f:
         vocab = {line.rstrip("\n"): index for index, line in enumerate(f)}
     missing = [t for t in SPECIAL_TOKENS if t not in vocab]
@@ -30,12 +33,12 @@ def load_special_ids(vocab_file):
     return len(vocab), {t: vocab[t] for t in SPECIAL_TOKENS}
 
 
-def first_problem(checks):
+def first_problem(checks: Iterable[tuple[str, npt.ArrayLike]]) -> str | None:
     """Name of the first failing check, or None."""
     return next((name for name, ok in checks if not np.all(ok)), None)
 
 
-def check_rows(rows, vocab_size, special):
+def check_rows(rows: Rows, vocab_size: int, special: dict[str, int]) -> tuple[str | None, dict[str, int]]:
     """Check a batch of rows; return (problem or None, statistics dict)."""
     ids, mask, segments = rows["input_ids"], rows["input_mask"], rows["segment_ids"]
     positions, labels, nsp = rows["masked_lm_positions"], rows["masked_lm_ids"], rows["next_sentence_labels"]
@@ -73,10 +76,10 @@ def check_rows(rows, vocab_size, special):
     return problem, stats
 
 
-def verify_shard(path, vocab_size, special):
+def verify_shard(path: str | os.PathLike[str], vocab_size: int, special: dict[str, int]) -> dict[str, int]:
     """Statistics of a good shard; raises ShardError naming the first problem."""
     num_samples, _, _ = read_shard_header(path)
-    totals = {}
+    totals: dict[str, int] = {}
     with h5py.File(path, "r") as f:
         for start in range(0, num_samples, ROWS_PER_READ):
             try:
@@ -92,14 +95,14 @@ def verify_shard(path, vocab_size, special):
     return totals
 
 
-def format_row(name, s):
+def format_row(name: str, s: dict[str, int]) -> str:
     masked = max(s.get("masked", 0), 1)
     return (f"{name:<60} {s.get('sequences', 0):>10} {s.get('tokens', 0):>12} "
             f"{s.get('masked', 0) / max(s.get('maskable', 0), 1):>8.4f} {s.get('as_mask', 0) / masked:>7.3f} "
             f"{s.get('kept', 0) / masked:>6.3f} {s.get('random_next', 0) / max(s.get('sequences', 0), 1):>8.3f}")
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--vocab_file", type=Path, default=Path(__file__).resolve().parent / "vocab.txt")
@@ -113,7 +116,8 @@ def main(argv=None):
         print(f"verify_hdf5.py: error: {err}", file=sys.stderr)
         return 1
     print(f"{'shard':<60} {'sequences':>10} {'tokens':>12} {'masked':>8} {'[MASK]':>7} {'kept':>6} {'NSP rnd':>8}")
-    totals, bad = {}, 0
+    totals: dict[str, int] = {}
+    bad = 0
     for path in shards:
         try:
             stats = verify_shard(path, vocab_size, special)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zipfile
 import zlib
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 GENSIM_MEMBER = ("gensim/test/test_data/"
@@ -29,15 +30,15 @@ BOOKS = ("Pride and Prejudice", "Persuasion")
 CHAPTERS_PER_PART = 12  # a sample shard should hold several documents, or every NSP pair is "next"
 
 
-def cut_wiki_dump(dump_xml, titles):
+def cut_wiki_dump(dump_xml: str, titles: Collection[str]) -> str:
     """Keep the dump's header, the pages with the given titles, and the closing tag."""
     header = dump_xml[:dump_xml.index("  <page>")]
     pages = re.findall(r"  <page>.*?</page>\n", dump_xml, re.S)
-    kept = [p for p in pages if re.search(r"<title>(.*?)</title>", p).group(1) in titles]
+    kept = [p for p in pages if (title := re.search(r"<title>(.*?)</title>", p)) and title.group(1) in titles]
     return header + "".join(kept) + "</mediawiki>\n"
 
 
-def read_r_string_vectors(rdb_bytes):
+def read_r_string_vectors(rdb_bytes: bytes) -> list[list[str]]:
     """Decode an R lazy-load database holding character vectors only.
 
     Each object is a 4-byte length, then a zlib stream of R's XDR serialisation:
@@ -70,9 +71,11 @@ def read_r_string_vectors(rdb_bytes):
     return vectors
 
 
-def split_into_parts(lines, chapters_per_part):
+def split_into_parts(lines: Iterable[str], chapters_per_part: int) -> list[list[str]]:
     """Group a novel's lines into parts of chapters_per_part chapters (title page in part 1)."""
-    parts, current, chapters = [], [], 0
+    parts: list[list[str]] = []
+    current: list[str] = []
+    chapters = 0
     for line in lines:
         if re.fullmatch(r"(CHAPTER|Chapter) [0-9IVXL]+\.?", line.strip()):
             chapters += 1
@@ -83,7 +86,7 @@ def split_into_parts(lines, chapters_per_part):
     return parts + [current]
 
 
-def main(cache):
+def main(cache: Path) -> None:
     out = Path(__file__).resolve().parent
     wheel = next(cache.glob("gensim-4.4.0-*.whl"))
     with zipfile.ZipFile(wheel) as z:
