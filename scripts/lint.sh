@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The project's lint: ruff (rules in pyproject.toml) on the Python files, shellcheck (settings in .shellcheckrc)
-# on the shell scripts. Exits non-zero on any finding. ruff and shellcheck come from requirements-dev.txt: run
-# it inside the test environment (`source .venv/bin/activate` once scripts/run_tests.sh has made it).
-#   bash scripts/lint.sh              the whole tree: ruff on it, shellcheck on every tracked *.sh and .ci/run
-#   bash scripts/lint.sh PATH...      only these files and directories (*.sh, and .ci/run, go to shellcheck)
+# The project's lint: ruff (rules in pyproject.toml) on the Python files, the mypy type check (settings and the
+# modules it covers in pyproject.toml), shellcheck (settings in .shellcheckrc) on the shell scripts. Exits non-zero
+# on any finding. ruff, mypy and shellcheck come from requirements-dev.txt: run it inside the test environment
+# (`source .venv/bin/activate` once scripts/run_tests.sh has made it).
+#   bash scripts/lint.sh              the whole tree: ruff on it, mypy on the files pyproject.toml lists, shellcheck
+#                                     on every tracked *.sh and .ci/run
+#   bash scripts/lint.sh PATH...      only these files and directories (*.sh, and .ci/run, go to shellcheck; the
+#                                     Python ones to ruff and to mypy, at the tree's strictness)
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-for tool in ruff shellcheck; do
+for tool in ruff mypy shellcheck; do
     command -v "$tool" > /dev/null || {
         echo "error: $tool is not installed here: run inside the test environment (WITH_DEV=1 source scripts/setup_venv.sh)" >&2
         exit 2
@@ -40,6 +43,14 @@ if (( ${#python_paths[@]} > 0 )); then
     python_count=$(ruff check --config "$repo_root/pyproject.toml" --show-files "${python_paths[@]}" | wc -l)
     echo "== ruff $(ruff --version | cut -d' ' -f2): $python_count Python files in ${python_paths[*]}"
     ruff check --config "$repo_root/pyproject.toml" "${python_paths[@]}" || status=1
+fi
+mypy_command=(mypy --config-file "$repo_root/pyproject.toml" --cache-dir "$repo_root/.mypy_cache")
+if (( $# == 0 )); then
+    echo "== $(mypy --version | cut -d' ' -f1-2): the files of pyproject.toml's [tool.mypy]"
+    "${mypy_command[@]}" || status=1
+elif (( ${#python_paths[@]} > 0 )); then
+    echo "== $(mypy --version | cut -d' ' -f1-2): ${python_paths[*]}"
+    "${mypy_command[@]}" "${python_paths[@]}" || status=1
 fi
 if (( ${#shell_files[@]} > 0 )); then
     echo "== shellcheck $(shellcheck --version | sed -n 's/^version: //p'): ${shell_files[*]}"
