@@ -907,8 +907,7 @@ def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig
     if available is None:
         say(f"memory check skipped: the memory of {description} is unknown")
         return
-    usable = sizing.USABLE_FRACTION * available
-    if predicted <= usable:
+    if sizing.fits(predicted, available):
         return
     message = (f"the memory planner predicts {predicted / 2**30:.2f} GiB per device at the peak, more than "
                f"{sizing.USABLE_FRACTION:.0%} of {available / 2**30:.1f} GiB ({description}); lower "

@@ -1,8 +1,9 @@
 """Predict the memory each device needs for a pretraining run, by part, and whether it fits a 32 GB
-Gaudi, a 96 GB Gaudi2 and an 80 GB H100 (training/sizing.py does the arithmetic; docs/memory-planner.md).
+Gaudi, a 96 GB Gaudi2 and an 80 GB H100, or the one --device names (training/sizing.py does the arithmetic;
+docs/memory-planner.md).
 
     python scripts/plan_memory.py --config scripts/bert_1.5b_config.json \
-        --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --world_size 8
+        --deepspeed_config scripts/deepspeed_config_bert_1.5b.json --world_size 8 [--device gaudi]
 """
 
 import argparse
@@ -35,6 +36,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--checkpoint_activations", action="store_true")
     parser.add_argument("--checkpoint_activations_interval", type=int, default=1)
     parser.add_argument("--optimizer", default="lans", choices=sorted(sizing.OPTIMIZER_TEMPORARIES))
+    parser.add_argument("--device", default=None, choices=list(sizing.DEVICES),
+                        help="say whether the run fits this device only (default: every device listed)")
     return parser.parse_args(argv)
 
 
@@ -78,10 +81,17 @@ def main(argv=None) -> int:
         "backward") else " (not the peak):"))
     for key, text in BACKWARD_PARTS:
         print(f"  {parts[key] / 2**30:>9.2f} GiB  {text}")
-    for device, gib in sizing.DEVICE_MEMORY_GIB.items():
-        verdict = "fits" if sizing.fits(parts["total"], gib) else "does NOT fit"
-        print(f"  {device:<15} {verdict} (at most {sizing.USABLE_FRACTION:.0%} of {gib} GiB planned)")
+    for device in [args.device] if args.device else sizing.DEVICES:
+        print(f"  {fit_line(parts['total'], *sizing.DEVICES[device])}")
     return 0
+
+
+def fit_line(total_bytes: float, label: str, gib: int) -> str:
+    """What the run needs against what the device may give it, e.g. "Gaudi (32 GB)   needs 28.42 GiB; 90% of
+    32 GiB is 28.80 GiB: fits"."""
+    verdict = "fits" if sizing.fits(total_bytes, gib * 2**30) else "does not fit"
+    return (f"{label:<15} needs {total_bytes / 2**30:.2f} GiB; {sizing.USABLE_FRACTION:.0%} of {gib} GiB is "
+            f"{sizing.usable_bytes(gib * 2**30) / 2**30:.2f} GiB: {verdict}")
 
 
 if __name__ == "__main__":

@@ -168,11 +168,17 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     return parts
 
 
-# Memory of one device in GiB (vendor datasheets), and the share of it a plan may use: the rest is left to
-# the runtime and communication libraries and to the allocator's fragmentation.
-DEVICE_MEMORY_GIB = {"Gaudi (32 GB)": 32, "Gaudi2 (96 GB)": 96, "H100 (80 GB)": 80}
+# The devices the planner knows, by the name scripts/plan_memory.py's --device takes: (label, memory of one
+# device in GiB from the vendor's datasheet). A plan may use USABLE_FRACTION of it; the rest is left to the
+# runtime and communication libraries and to the allocator's fragmentation.
+DEVICES = {"gaudi": ("Gaudi (32 GB)", 32), "gaudi2": ("Gaudi2 (96 GB)", 96), "h100": ("H100 (80 GB)", 80)}
 USABLE_FRACTION = 0.9
 
 
-def fits(total_bytes: float, device_gib: float) -> bool:
-    return total_bytes <= USABLE_FRACTION * device_gib * 2**30
+def usable_bytes(device_bytes: float) -> float:
+    """The most a plan may use of a device with this memory."""
+    return USABLE_FRACTION * device_bytes
+
+
+def fits(total_bytes: float, device_bytes: float) -> bool:
+    return total_bytes <= usable_bytes(device_bytes)
