@@ -10,9 +10,10 @@ directory has the vocabulary's size, as Hugging Face's own BERT checkpoints do.
 The pre-LN wiring (layer_norm_large_model, the 1.5B/5B recipe) has no transformers class: its directory
 also holds hf_modeling_pre_ln.py, this repository's pre-LN model for transformers, named in config.json's
 auto_map, so `transformers.AutoModelForPreTraining.from_pretrained(dir, trust_remote_code=True)` (and
-AutoModel, AutoModelForSequenceClassification, AutoModelForQuestionAnswering) loads it with the same
-logits. Its config.json (model_type "bert_pre_ln") declares every layer "pre_ln" in layer_types, which
-transformers' own classes refuse: a plain `transformers.BertForPreTraining.from_pretrained(dir)` raises
+AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoModelForQuestionAnswering) loads it
+with the same logits. Its config.json has model_type "bert", so that AutoTokenizer and AutoConfig read it
+without remote code, and its weights are the "pre_ln" variant (model.pre_ln.safetensors), which only those
+classes ask for: a plain `transformers.BertForPreTraining.from_pretrained(dir)` finds no weights file and raises
 instead of loading the post-LN wiring. The fine-tuning scripts read it back.
 
     python -m finetune.hf_interop export --checkpoint results/bert_tiny/checkpoints --output_dir results/bert_tiny/hf \\
@@ -36,13 +37,16 @@ from common.atomic_write import atomic_path, write_text_atomically
 from common.errors import InputError, one_line
 from modeling import LAYER_NORM_EPS, TRANSFORMERS_ONLY_KEYS, BertConfig
 
-HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# The pre-LN export's weights, transformers' name for the variant "pre_ln" (hf_modeling_pre_ln.WEIGHTS_VARIANT).
+PRE_LN_WEIGHT_FILE = "model.pre_ln.safetensors"
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", PRE_LN_WEIGHT_FILE)
 # A sharded save: the index maps every key to the file (in the same directory) that holds it.
-HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-PRE_LN_MODEL_TYPE = "bert_pre_ln"  # our own format: no transformers class has this wiring
+HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "model.safetensors.index.pre_ln.json")
+# The model_type of pre-LN exports written before the export took "bert" with the pre_ln weights variant.
+OLD_PRE_LN_MODEL_TYPE = "bert_pre_ln"
 PRE_LN_MODELING_FILE = Path(__file__).with_name("hf_modeling_pre_ln.py")  # transformers' remote code for it
 PRE_LN_AUTO_MAP = {"AutoConfig": "BertPreLNConfig", "AutoModel": "BertPreLNModel",
-                   "AutoModelForPreTraining": "BertPreLNForPreTraining",
+                   "AutoModelForPreTraining": "BertPreLNForPreTraining", "AutoModelForMaskedLM": "BertPreLNForMaskedLM",
                    "AutoModelForSequenceClassification": "BertPreLNForSequenceClassification",
                    "AutoModelForQuestionAnswering": "BertPreLNForQuestionAnswering"}
 PADDED_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
@@ -69,7 +73,7 @@ def to_transformers_config(config: BertConfig, vocab_size: int | None = None) ->
 
 
 def from_transformers_config(values: dict, where) -> BertConfig:
-    """A BertConfig from a Hugging Face config.json (model_type "bert"), or from our own (PRE_LN_MODEL_TYPE)."""
+    """A BertConfig from a Hugging Face config.json (model_type "bert"), our pre-LN export's among them."""
     if not isinstance(values, dict):
         raise InputError(f"{where}: a model config must be a JSON object")
     if "model_type" not in values:
@@ -77,8 +81,8 @@ def from_transformers_config(values: dict, where) -> BertConfig:
                          f"\"bert\")")
     if values.get("layer_norm_eps", LAYER_NORM_EPS) != LAYER_NORM_EPS:
         raise InputError(f"{where}: layer_norm_eps {values['layer_norm_eps']} (this model uses {LAYER_NORM_EPS})")
-    if values.get("model_type") == PRE_LN_MODEL_TYPE:
-        # Our own export; transformers' save_pretrained adds keys of its own (transformers_version, dtype,
+    if values.get("layer_norm_large_model") and values["model_type"] in ("bert", OLD_PRE_LN_MODEL_TYPE):
+        # Our pre-LN export; transformers' save_pretrained adds keys of its own (transformers_version, dtype,
         # pad_token_id, layer_norm_eps, ...): BertConfig's fields are what describes the model.
         fields = {field.name for field in dataclasses.fields(BertConfig)}
         return BertConfig.from_dict({key: value for key, value in values.items() if key in fields})
@@ -205,7 +209,7 @@ def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case:
             model_config = {"model_type": "bert", "architectures": ["BertForPreTraining"],
                             **to_transformers_config(config, vocab_size=config.vocab_size)}
         write_text_atomically(tmp / "config.json", json.dumps(model_config, indent=2) + "\n")
-        weights = tmp / "model.safetensors"
+        weights = tmp / (PRE_LN_WEIGHT_FILE if config.layer_norm_large_model else "model.safetensors")
         save_file(unpadded_state_dict(state, config), str(weights), metadata={"format": "pt"})
         # safetensors creates its file 0600; give it the mode (from the umask) of the files written here.
         weights.chmod((tmp / "config.json").stat().st_mode & 0o777)
@@ -215,11 +219,10 @@ def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case:
 
 def pre_ln_transformers_config(config: BertConfig) -> dict:
     """config.json of a pre-LN export: our BertConfig, plus what transformers needs to build
-    hf_modeling_pre_ln.py's classes (and to refuse its own post-LN BERT)."""
+    hf_modeling_pre_ln.py's classes."""
     module = PRE_LN_MODELING_FILE.stem
-    return {"model_type": PRE_LN_MODEL_TYPE, "architectures": ["BertPreLNForPreTraining"],
-            "auto_map": {auto: f"{module}.{name}" for auto, name in PRE_LN_AUTO_MAP.items()},
-            "layer_types": ["pre_ln"] * config.num_hidden_layers, **config.to_dict()}
+    return {"model_type": "bert", "architectures": ["BertPreLNForPreTraining"],
+            "auto_map": {auto: f"{module}.{name}" for auto, name in PRE_LN_AUTO_MAP.items()}, **config.to_dict()}
 
 
 def write_tokenizer_files(tokenizer, vocab_file, do_lower_case: bool, config: BertConfig, directory: Path):
@@ -324,9 +327,10 @@ def main(argv=None) -> int:
     if loadable:
         print(f"wrote {args.output_dir}: transformers.BertForPreTraining.from_pretrained loads it")
     else:
-        print(f"wrote {args.output_dir}: pre-LN wiring; transformers loads it with trust_remote_code=True "
-              "(AutoModelForPreTraining, AutoModel, AutoModelForSequenceClassification, "
-              "AutoModelForQuestionAnswering), run_glue.py / run_squad.py (--init_checkpoint) read it")
+        print(f"wrote {args.output_dir}: pre-LN wiring; transformers loads the model with trust_remote_code=True "
+              "(AutoModelForPreTraining, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, "
+              "AutoModelForQuestionAnswering, pipeline) and the tokenizer with AutoTokenizer; run_glue.py / "
+              "run_squad.py (--init_checkpoint) read it")
     return 0
 
 

@@ -5,15 +5,17 @@ config.json's `auto_map`, so that transformers loads the export with this wiring
 
     transformers.AutoModelForPreTraining.from_pretrained(directory, trust_remote_code=True)
 
-(also AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoModelForQuestionAnswering). The state
-dict has the names of transformers' BertForPreTraining; the wiring is modeling.py's pre-LN one:
+(also AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification,
+AutoModelForQuestionAnswering, and pipeline("fill-mask", ..., trust_remote_code=True)). The state dict has the
+names of transformers' BertForPreTraining; the wiring is modeling.py's pre-LN one:
 
     x = LN_emb(embeddings); r = 0
     per layer: a = r + attention(x); u = LN_attn(a); r = a + ffn(u); x = LN_out(r)
 
-Every layer is declared in `layer_types` as "pre_ln", a value transformers' own configs refuse: a plain
-`transformers.BertModel` / `BertForPreTraining.from_pretrained` of the export raises instead of loading
-the post-LN wiring with these weights.
+config.json's model_type is "bert", so that transformers reads it without this code where the wiring does not
+matter (AutoTokenizer, AutoConfig); the weights are the "pre_ln" variant (model.pre_ln.safetensors), which
+only these classes ask for: transformers' own post-LN BERT classes find no weights file and raise instead of
+loading these weights into the other wiring.
 
 Self-contained (torch and transformers only): it runs inside transformers' dynamic-module loader, away from
 this repository.
@@ -27,19 +29,20 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
+    MaskedLMOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
 )
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-PRE_LN_LAYER_TYPE = "pre_ln"
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh, "swish": F.silu}
 MASK_VALUE = -10000.0  # additive attention mask, as modeling.py
+WEIGHTS_VARIANT = "pre_ln"  # the weights file is model.pre_ln.safetensors: transformers' BERT classes skip it
 
 
 @strict(accept_kwargs=True)
 class BertPreLNConfig(PreTrainedConfig):
-    model_type = "bert_pre_ln"
+    model_type = "bert"  # as config.json's, which transformers' tokenizer loading reads without this code
 
     vocab_size: int = 30522
     hidden_size: int = 768
@@ -55,18 +58,7 @@ class BertPreLNConfig(PreTrainedConfig):
     layer_norm_eps: float = 1e-12
     pad_token_id: int | None = 0
     classifier_dropout: float | int | None = None
-    layer_types: list[str] | None = None
-
-    def __post_init__(self, **kwargs):
-        if self.layer_types is None:
-            self.layer_types = [PRE_LN_LAYER_TYPE] * self.num_hidden_layers
-        super().__post_init__(**kwargs)
-
-    def validate_layer_type(self):
-        """Replaces transformers' check (which knows no "pre_ln"): every layer is pre-LN."""
-        if list(self.layer_types) != [PRE_LN_LAYER_TYPE] * self.num_hidden_layers:
-            raise ValueError(f"layer_types must be {self.num_hidden_layers} x {PRE_LN_LAYER_TYPE!r}, "
-                             f"got {self.layer_types}")
+    layer_norm_large_model: bool = True  # modeling.BertConfig's name for the pre-LN wiring
 
 
 class BertPreLNEmbeddings(nn.Module):
@@ -159,6 +151,15 @@ class BertPreLNEncoder(nn.Module):
 class BertPreLNPreTrainedModel(PreTrainedModel):
     config_class = BertPreLNConfig
     base_model_prefix = "bert"
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        kwargs.setdefault("variant", WEIGHTS_VARIANT)
+        return super().from_pretrained(*args, **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        kwargs.setdefault("variant", WEIGHTS_VARIANT)
+        return super().save_pretrained(*args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -255,6 +256,34 @@ class BertPreLNForPreTraining(BertPreLNPreTrainedModel):
             seq_relationship_logits=self.cls.seq_relationship(encoded.pooler_output))
 
 
+class BertPreLNOnlyMLMHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = BertPreLNLMPredictionHead(config)
+
+
+class BertPreLNForMaskedLM(BertPreLNPreTrainedModel):
+    """Returns logits [B, S, V] (transformers' fill-mask pipeline reads them)."""
+
+    _tied_weights_keys = BertPreLNForPreTraining._tied_weights_keys
+    # An export is BertPreLNForPreTraining's: its pooler and next-sentence head are not this model's.
+    _keys_to_ignore_on_load_unexpected = [r"^bert\.pooler\.", r"^cls\.seq_relationship\."]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.bert = BertPreLNModel(config, add_pooling_layer=False)
+        self.cls = BertPreLNOnlyMLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None, **kwargs):
+        logits = self.cls.predictions(self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state)
+        loss = None if labels is None else F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
 def classification_loss(logits, labels, num_labels):
     if labels is None:
         return None
@@ -301,6 +330,6 @@ class BertPreLNForQuestionAnswering(BertPreLNPreTrainedModel):
 
 # config.json's auto_map: which Auto class builds which class of this file.
 AUTO_MAP = {"AutoConfig": BertPreLNConfig, "AutoModel": BertPreLNModel,
-            "AutoModelForPreTraining": BertPreLNForPreTraining,
+            "AutoModelForPreTraining": BertPreLNForPreTraining, "AutoModelForMaskedLM": BertPreLNForMaskedLM,
             "AutoModelForSequenceClassification": BertPreLNForSequenceClassification,
             "AutoModelForQuestionAnswering": BertPreLNForQuestionAnswering}

@@ -4,10 +4,13 @@ transformers through its remote code (hf_modeling_pre_ln.py) with equal logits, 
 own BERT and is read back by us; the weight sources and their one-line errors."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from common.errors import InputError
 from finetune import hf_interop
@@ -94,21 +97,22 @@ def test_a_transformers_directory_reads_back_with_equal_logits(tmp_path):
     torch.testing.assert_close(nsp, theirs.seq_relationship_logits, atol=1e-5, rtol=0)
 
 
-def export_pre_ln(tmp_path):
-    config = small_config(layer_norm_large_model=True)
+def export_model(tmp_path, pre_ln=True):
+    """(our model with random weights, the directory `python -m finetune.hf_interop export` wrote of it)."""
+    config = small_config(layer_norm_large_model=pre_ln)
     model = perturbed_model(config)
     weights, config_file = save_state_dict_file(model, tmp_path)
-    out = tmp_path / "pre_ln"
+    out = tmp_path / ("pre_ln" if pre_ln else "post_ln")
     assert hf_interop.main(["export", "--checkpoint", str(weights), "--config_file", str(config_file),
                             "--vocab_file", str(VOCAB), "--do_lower_case", "--output_dir", str(out)]) == 0
     return model, out
 
 
 def test_a_pre_ln_export_loads_in_transformers_as_remote_code_with_equal_logits(tmp_path):
-    model, out = export_pre_ln(tmp_path)
+    model, out = export_model(tmp_path)
     config = model.config
     assert (out / "hf_modeling_pre_ln.py").read_bytes() == hf_interop.PRE_LN_MODELING_FILE.read_bytes()
-    batch = real_pair_batch(transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True))
+    batch = real_pair_batch(transformers.AutoTokenizer.from_pretrained(out))
     with torch.no_grad():
         mlm, nsp = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
         sequence_output, pooled = model.bert(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
@@ -119,6 +123,17 @@ def test_a_pre_ln_export_loads_in_transformers_as_remote_code_with_equal_logits(
     torch.testing.assert_close(nsp, theirs.seq_relationship_logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(sequence_output, base.last_hidden_state, atol=1e-5, rtol=0)
     torch.testing.assert_close(pooled, base.pooler_output, atol=1e-5, rtol=0)
+    # The masked-LM class (the fill-mask pipeline's): the same token logits, and the loss of transformers' BERT
+    # (cross-entropy over the labelled positions, -100 ignored).
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, 2:4] = batch["input_ids"][:, 2:4]
+    with torch.no_grad():
+        masked_lm = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True).eval()(
+            **batch, labels=labels)
+    torch.testing.assert_close(mlm[..., :config.vocab_size], masked_lm.logits, atol=1e-5, rtol=0)
+    expected_loss = torch.nn.functional.cross_entropy(mlm[:, 2:4, :config.vocab_size].reshape(-1, config.vocab_size),
+                                                      labels[:, 2:4].reshape(-1))
+    torch.testing.assert_close(masked_lm.loss, expected_loss, atol=1e-5, rtol=0)
     # The fine-tuning heads: the encoder's weights load, the new head is reported and trains.
     for auto, head_output in ((transformers.AutoModelForSequenceClassification, "logits"),
                               (transformers.AutoModelForQuestionAnswering, "start_logits")):
@@ -133,17 +148,20 @@ def test_a_pre_ln_export_loads_in_transformers_as_remote_code_with_equal_logits(
 
 
 def test_a_pre_ln_export_is_refused_by_transformers_post_ln_bert_and_read_back_by_us(tmp_path):
-    model, out = export_pre_ln(tmp_path)
+    model, out = export_model(tmp_path)
     config = model.config
     values = json.loads((out / "config.json").read_text())
-    assert values["model_type"] == "bert_pre_ln" and values["layer_types"] == ["pre_ln"] * config.num_hidden_layers
-    # transformers 5 only warns when a config's model_type is not the class's; its strict config validation
-    # refuses layer_types it does not know, so a plain load raises before any weight is read.
-    for plain in (transformers.BertForPreTraining, transformers.BertModel):
-        with pytest.raises(StrictDataclassClassValidationError, match=r"(?s)layer_types.*\['pre_ln', 'pre_ln'\]"):
-            plain.from_pretrained(out)
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        transformers.AutoModelForPreTraining.from_pretrained(out)
+    assert values["model_type"] == "bert" and values["layer_norm_large_model"] is True
+    assert (out / hf_interop.PRE_LN_WEIGHT_FILE).is_file() and not (out / "model.safetensors").exists()
+    # The weights are the "pre_ln" variant: transformers' own classes, and the Auto classes and the pipeline
+    # without remote code, look for model.safetensors and raise before building the post-LN wiring on them.
+    loaders = [(cls.from_pretrained, OSError) for cls in (transformers.BertForPreTraining, transformers.BertModel,
+                                                          transformers.BertForMaskedLM,
+                                                          transformers.AutoModelForPreTraining)]
+    # the pipeline raises a ValueError that quotes the OSError
+    for load, error in loaders + [(lambda path: transformers.pipeline("fill-mask", model=path), ValueError)]:
+        with pytest.raises(error, match="no file named model.safetensors"):
+            load(out)
     read_config, read_weights = hf_interop.read_pretrained_weights(out)
     assert read_config == config
     for key, value in model.state_dict().items():  # padding rows of the vocabulary are not exported
@@ -151,11 +169,88 @@ def test_a_pre_ln_export_is_refused_by_transformers_post_ln_bert_and_read_back_b
         assert torch.equal(read_weights[key][:rows], value[:rows]), key
 
 
+def test_a_pre_ln_export_of_the_earlier_format_reads_back(tmp_path):
+    """Exports written before the weights variant: model_type "bert_pre_ln", layer_types, model.safetensors."""
+    model, out = export_model(tmp_path)
+    values = json.loads((out / "config.json").read_text())
+    values.update(model_type=hf_interop.OLD_PRE_LN_MODEL_TYPE, layer_types=["pre_ln"] * model.config.num_hidden_layers)
+    (out / "config.json").write_text(json.dumps(values))
+    (out / hf_interop.PRE_LN_WEIGHT_FILE).rename(out / "model.safetensors")
+    read_config, read_weights = hf_interop.read_pretrained_weights(out)
+    assert read_config == model.config
+    assert torch.equal(read_weights["bert.encoder.layer.1.output.dense.weight"],
+                       model.state_dict()["bert.encoder.layer.1.output.dense.weight"])
+
+
+def docs_block(heading: str, language: str, containing: str) -> str:
+    """The first ```language block of docs/fine-tuning.md's section `heading` that contains `containing`."""
+    section = (REPO_ROOT / "docs" / "fine-tuning.md").read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ")[0]
+    return next(block.split("\n", 1)[1] for block in section.split("```")[1::2]
+                if block.startswith(language + "\n") and containing in block)
+
+
+LOAD_REPORT_ROW = re.compile(r"^(\S+)\s*\|\s*(UNEXPECTED|MISSING|MISMATCH)\b", re.MULTILINE)
+
+
+def test_the_docs_tokenizer_and_fill_mask_pipeline_work_on_both_exports(tmp_path):
+    """The docs' snippet, as a user runs it (a fresh interpreter, the docs' flags), on a post-LN and a pre-LN
+    export: the tokenizer gives our data pipeline's ids, the pipeline's top tokens and scores are our model's
+    softmax at the masked position, and transformers says nothing but the post-LN load report of the four keys
+    BertForMaskedLM has no place for."""
+    from data.tokenization import load_tokenizer
+
+    snippet = docs_block("Hugging Face export", "python", 'pipeline("fill-mask"')
+    assert 'D = "results/bert_tiny/hf"\n' in snippet
+    exports = {"post-LN": export_model(tmp_path, pre_ln=False), "pre-LN": export_model(tmp_path, pre_ln=True)}
+    script = ["import json, sys"]
+    for name, (_, out) in exports.items():
+        script += [f"print('=== {name}', file=sys.stderr, flush=True)",
+                   snippet.replace('D = "results/bert_tiny/hf"', f"D = {str(out)!r}"),
+                   f"print('RESULT', json.dumps([{name!r}, [[r['token'], r['score']] for r in "
+                   "fill_mask('The capital of France is [MASK].')]]))"]
+    result = subprocess.run([sys.executable, "-c", "\n".join(script)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    ours, _, special = load_tokenizer(VOCAB, do_lower_case=True)
+
+    def ids(text):
+        return ours.encode(text, add_special_tokens=False).ids
+
+    printed = result.stdout.splitlines()
+    tokenized = [json.loads(line) for line in printed if line.startswith("[") and not line.startswith("[{")]
+    assert tokenized == [[special["[CLS]"], *ids("The capital of France is Paris."), special["[SEP]"]]] * 2
+    masked = [special["[CLS]"], *ids("The capital of France is"), special["[MASK]"], *ids("."), special["[SEP]"]]
+    filled = dict(json.loads(line.split(" ", 1)[1]) for line in printed if line.startswith("RESULT "))
+    for name, (model, _) in exports.items():
+        with torch.no_grad():
+            mlm, _ = model(torch.tensor([masked]), torch.zeros(1, len(masked), dtype=torch.long),
+                           torch.ones(1, len(masked), dtype=torch.long))
+        probabilities = mlm[0, masked.index(special["[MASK]"]), :model.config.vocab_size].softmax(-1)
+        tokens, scores = zip(*filled[name])
+        assert len(tokens) == 5, name
+        torch.testing.assert_close(probabilities[list(tokens)], torch.tensor(scores), atol=1e-6, rtol=1e-4)
+        assert min(scores) >= probabilities.topk(5).values[-1].item() - 1e-6, name  # the five most likely
+    said = dict(part.split("\n", 1) for part in result.stderr.split("=== ")[1:])
+    assert set(said) == set(exports)
+    assert not re.search(r"Traceback|warning|custom code|model of type|layer_types", result.stderr, re.IGNORECASE), \
+        result.stderr
+    assert sorted(LOAD_REPORT_ROW.findall(said["post-LN"])) == [
+        (key, "UNEXPECTED") for key in ("bert.pooler.dense.bias", "bert.pooler.dense.weight",
+                                        "cls.seq_relationship.bias", "cls.seq_relationship.weight")]
+    assert "LOAD REPORT" not in said["pre-LN"], said["pre-LN"]
+
+
+def test_the_docs_install_the_transformers_that_the_tests_pin():
+    pinned = next(line for line in (REPO_ROOT / "requirements-dev.txt").read_text().splitlines()
+                  if line.startswith("transformers=="))
+    assert f"python -m pip install {pinned}\n" in docs_block("Hugging Face export", "bash", "pip install")
+
+
 def test_exported_files_share_one_mode(tmp_path):
-    _, out = export_pre_ln(tmp_path)
+    _, out = export_model(tmp_path)
     modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
     assert len(set(modes.values())) == 1, modes
-    assert modes["model.safetensors"] & 0o044 == 0o044, modes  # readable by others, as the umask allows
+    assert modes[hf_interop.PRE_LN_WEIGHT_FILE] & 0o044 == 0o044, modes  # readable by others, as the umask allows
 
 
 def test_a_checkpoint_for_another_config_is_one_error(tmp_path):
@@ -190,17 +285,24 @@ def test_export_refuses_a_vocab_of_another_size(tmp_path, capsys):
 def test_a_pre_ln_export_resaved_by_transformers_reads_back(tmp_path):
     """save_pretrained adds keys of its own (transformers_version, dtype, pad_token_id, layer_norm_eps, ...) to
     the pre-LN config.json: only BertConfig's fields are taken, and the weights are the exported model's."""
-    model, out = export_pre_ln(tmp_path)
+    model, out = export_model(tmp_path)
     config = model.config
     transformers.AutoModelForPreTraining.from_pretrained(out, trust_remote_code=True).save_pretrained(
         tmp_path / "resaved")
     values = json.loads((tmp_path / "resaved" / "config.json").read_text())
-    assert {"transformers_version", "layer_norm_eps"} <= set(values) and values["model_type"] == "bert_pre_ln"
-    read_config, read_weights = hf_interop.read_pretrained_weights(tmp_path / "resaved")
-    assert read_config == config
-    for key, value in model.state_dict().items():
-        rows = config.vocab_size if key in hf_interop.PADDED_ROWS + hf_interop.PADDED_BIAS else None
-        assert torch.equal(read_weights[key][:rows], value[:rows]), key
+    assert {"transformers_version", "layer_norm_eps"} <= set(values) and values["model_type"] == "bert"
+    assert (tmp_path / "resaved" / hf_interop.PRE_LN_WEIGHT_FILE).is_file()  # the variant survives a re-save
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        transformers.BertForPreTraining.from_pretrained(tmp_path / "resaved")
+    remote_model = transformers.AutoModelForPreTraining.from_pretrained(out, trust_remote_code=True)
+    remote_model.save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.pre_ln.json").is_file()
+    for resaved in ("resaved", "sharded"):
+        read_config, read_weights = hf_interop.read_pretrained_weights(tmp_path / resaved)
+        assert read_config == config
+        for key, value in model.state_dict().items():
+            rows = config.vocab_size if key in hf_interop.PADDED_ROWS + hf_interop.PADDED_BIAS else None
+            assert torch.equal(read_weights[key][:rows], value[:rows]), (resaved, key)
     # A layer_norm_eps our model would not use is refused, as for a post-LN directory.
     values["layer_norm_eps"] = 1e-5
     (tmp_path / "resaved" / "config.json").write_text(json.dumps(values))
