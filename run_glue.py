@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fine-tune and evaluate BERT on a GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI).
+"""Fine-tune and evaluate BERT on a GLUE task (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI) or on mr-vader
+(real movie-review sentiment in SST-2's layout, data/vader_movie_reviews.py).
 
 Flags follow NVIDIA's run_glue.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
 fine-tuning flags of finetune/finetuning.py); its flags that mean nothing here (--bert_model, --loss_scale,
@@ -12,7 +13,8 @@ JSON's). One process per device, or one process:
 
 Outputs in --output_dir: eval_results.json ({evaluation set: {metric: value}}), predictions_<set>.json
 ({example id: predicted label}, for --do_eval), test_results_<set>.tsv (GLUE submission format, for
---do_predict), checkpoints/ (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
+--do_predict; a labelled test set, mr-vader's, is also scored in eval_results.json as test_<set>), checkpoints/
+(the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
 """
 
 import json
@@ -110,7 +112,8 @@ def evaluate(session, model, task, data, batch_size: int) -> dict:
         if name.startswith("test_"):
             rows = [f"{index}\t{label_text(task, p)}" for index, p in enumerate(predictions)]
             (output_dir / f"test_results_{name[5:]}.tsv").write_text("index\tprediction\n" + "\n".join(rows) + "\n")
-            continue
+            if "labels" not in features:  # GLUE's test sets have no labels; mr-vader's has
+                continue
         results[name] = glue_metrics.compute(task.metrics, predictions, features["labels"].numpy())
         by_id = {example.guid: label_text(task, p) for example, p in zip(examples, predictions)}
         (output_dir / f"predictions_{name}.json").write_text(json.dumps(by_id, indent=1) + "\n")

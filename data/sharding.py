@@ -13,12 +13,19 @@ Linux, Windows and macOS only.
 Balancing: the test set receives ``fraction_test`` of all sentences. Articles are assigned
 largest first to the shard that is least full relative to its target (longest-processing-time
 greedy), one pass over the articles, so it always terminates (the reference could loop forever).
+Held out by document and by sentence: an article goes to one shard, and a test shard leaves out every sentence
+that a training shard also has (compared lower-cased, white space collapsed: as the uncased tokenizer sees them),
+so that a held-out evaluation never scores text the model was trained on. The training shards' sentences are kept
+as 8-byte hashes while the shards are written (8 bytes per training sentence).
+
 Memory: sentences go to a scratch file in a first pass; only per-article offsets and counts stay
 in memory; the second pass copies each shard's articles out of the scratch file.
 """
+import hashlib
 import heapq
 import multiprocessing
 import os
+import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing.pool import Pool
@@ -115,18 +122,46 @@ def assign_articles(counts: np.ndarray, n_training: int, n_test: int, fraction_t
     return shard_of
 
 
+def sentence_keys(sentences: Sequence[str]) -> np.ndarray:
+    """A 64-bit hash of each sentence as the uncased tokenizer sees it (lower case, white space collapsed)."""
+    return np.array([int.from_bytes(hashlib.blake2b(" ".join(s.lower().split()).encode(), digest_size=8).digest(),
+                                    "little", signed=True) for s in sentences], dtype=np.int64)
+
+
 def write_shards(scratch: Path, offsets: np.ndarray, shard_of: np.ndarray, names: Sequence[str],
-                 out_dir: Path) -> None:
-    """Copy each shard's articles (in input order) from the scratch file into out_dir/<name>."""
+                 out_dir: Path, n_training: int) -> int:
+    """Copy each shard's articles (in input order) from the scratch file into out_dir/<name>: the n_training
+    training shards first, then the test shards without the sentences that a training shard has. Returns the
+    number of sentences so left out."""
     ends = np.append(offsets[1:], os.path.getsize(scratch))
     order = np.lexsort((offsets, shard_of))
     boundaries = np.searchsorted(shard_of[order], np.arange(len(names) + 1))
+    held_out = len(names) > n_training
+    training_keys, left_out = array("q"), 0
     with open(scratch, "rb") as src:
         for shard, name in enumerate(tqdm(names, desc="write shards", unit="shard", disable=None)):
+            if shard == n_training:
+                trained = np.unique(np.frombuffer(training_keys, dtype=np.int64))
             with open(out_dir / name, "wb") as out:
                 for article in order[boundaries[shard]:boundaries[shard + 1]]:
                     src.seek(offsets[article])
-                    out.write(src.read(ends[article] - offsets[article]))
+                    text = src.read(ends[article] - offsets[article])
+                    if not held_out:
+                        out.write(text)
+                        continue
+                    sentences = text.decode("utf-8").split("\n")[:-2]  # the article ends in "\n\n"
+                    keys = sentence_keys(sentences)
+                    if shard < n_training:
+                        training_keys.extend(keys)
+                        out.write(text)
+                        continue
+                    found = np.minimum(np.searchsorted(trained, keys), max(len(trained) - 1, 0))
+                    shared = trained[found] == keys if len(trained) else np.zeros(len(keys), dtype=bool)
+                    kept = [s for s, drop in zip(sentences, shared, strict=True) if not drop]
+                    left_out += len(sentences) - len(kept)
+                    if kept:
+                        out.write(("\n".join(kept) + "\n\n").encode("utf-8"))
+    return left_out
 
 
 def shard_corpus(input_files: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], dataset: str,
@@ -145,6 +180,9 @@ def shard_corpus(input_files: Sequence[str | os.PathLike[str]], out_dir: str | o
         shard_of = assign_articles(counts, n_training, n_test, fraction_test)
         names = [f"{dataset}_training_{i}.txt" for i in range(n_training)]
         names += [f"{dataset}_test_{i}.txt" for i in range(n_test)]
-        write_shards(scratch, offsets, shard_of, names, tmp)
+        left_out = write_shards(scratch, offsets, shard_of, names, tmp, n_training)
         scratch.unlink()
+    if n_test:
+        print(f"sharding: {left_out} of the test documents' sentences are also in a training shard and were left "
+              "out of the test shards", file=sys.stderr)
     return True

@@ -2,7 +2,7 @@
 
 Layouts are those of the files that GLUE's download script unpacks (one directory per task). Each split
 names its file, whether its first line is a header, and the 0-based columns of sentence A, sentence B
-(None: a single-sentence task) and the label (None: the test files, which have no label; -1: the last
+(None: a single-sentence task) and the label (None: GLUE's test files, which have no label; -1: the last
 column). Reading is strict: a row with too few columns, or a label outside the task's set, is an
 InputError that names the file and the line, because a silently skipped or mislabelled row would change
 the scores.
@@ -65,6 +65,10 @@ TASKS = {
     # SST-2: header; sentence, label. Test: index, sentence.
     "sst-2": Task("sst-2", BINARY, ("acc",), Split("train.tsv", True, 0, None, 1),
                   {"sst-2": Split("dev.tsv", True, 0, None, 1)}, {"sst-2": Split("test.tsv", True, 1, None, None)}),
+    # mr-vader (data/vader_movie_reviews.py): header; sentence, label, mean rating. Its test split is labelled too.
+    "mr-vader": Task("mr-vader", BINARY, ("acc",), Split("train.tsv", True, 0, None, 1),
+                     {"mr-vader": Split("dev.tsv", True, 0, None, 1)},
+                     {"mr-vader": Split("test.tsv", True, 0, None, 1)}),
     # MRPC: Quality, #1 ID, #2 ID, #1 String, #2 String. Test: index first instead of Quality.
     "mrpc": _pair_task("mrpc", BINARY, ("acc", "f1"), (3, 4), (3, 4), label=0),
     # STS-B: index, genre, filename, year, old_index, source1, source2, sentence1, sentence2, score.

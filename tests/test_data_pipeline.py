@@ -284,3 +284,75 @@ def test_verify_reports_a_corrupt_compressed_chunk_and_checks_the_other_shards(s
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"BAD {bad}: cannot read rows 0..")
     assert "total (3 good, 1 bad)" in result.stdout
+
+
+def shard_sentences(shard_dir, split):
+    """{sentence as the uncased tokenizer sees it} and [documents] of the text shards of one split."""
+    documents = [block.split("\n") for path in sorted(shard_dir.glob(f"*_{split}_*.txt"))
+                 for block in path.read_text(encoding="utf-8").split("\n\n") if block.strip()]
+    return {" ".join(s.lower().split()) for document in documents for s in document}, documents
+
+
+def test_test_shards_share_no_document_and_no_sentence_with_the_training_shards(sample_run):
+    shard_dir = next(sample_run.glob("sharded_training_shards_3_test_shards_1_fraction_0.1")) / "books_wiki_en_corpus"
+    training, training_documents = shard_sentences(shard_dir, "training")
+    test, test_documents = shard_sentences(shard_dir, "test")
+    assert test_documents and len(test) > 100
+    assert not training & test
+    assert not {tuple(d) for d in training_documents} & {tuple(d) for d in test_documents}
+
+
+def test_registry_corpus_that_cannot_be_fetched_is_one_error_line(tmp_path):
+    """No index for pip (offline): one line that names the package and its registry. Then, with a wheel in place
+    and no apt-get: one line for the Debian packages."""
+    result = prep(tmp_path, "--action", "download", "--dataset", "registry_en_corpus", PIP_NO_INDEX="1",
+                  PIP_FIND_LINKS=str(tmp_path))
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr
+    assert errors[0].startswith("bert_prep.py --action download: error: cannot fetch gensim==4.4.0 from PyPI "
+                                "(pip download: ERROR: "), errors[0]
+    download_dir = tmp_path / "download" / "registry_en_corpus"
+    (download_dir / "gensim-4.4.0-py3-none-any.whl").write_bytes(b"")  # found by name; read only after the debs
+    result = prep(tmp_path, "--action", "download", "--dataset", "registry_en_corpus", PATH=str(tmp_path))
+    assert result.returncode == 1 and result.stderr.splitlines()[-1] == (
+        "bert_prep.py --action download: error: cannot fetch r-cran-janeaustenr=1.0.0-1 from Debian: no apt-get on "
+        f"this machine; put its .deb in {download_dir} to build offline"), result.stderr
+
+
+FOLDOC_EXCERPT = """00-database-short
+     The Free On-line Dictionary of Computing (19 January 2023)
+
+Actus
+
+   <language> {Pascal} with parallel extensions, similar to the
+   earlier {Glypnir}.  It has parallel constants and {index
+   sets}.  Descendants include {Parallel Pascal}, {Vector C} and
+   {CMU}'s language {PIE}.
+
+   ["A Language for Array and Vector Processors," R.H. Perrott,
+   ACM TOPLAS 1(2):177-195 (Oct 1979)].
+
+   (1994-11-08)
+
+ad
+
+   <networking> The {country code} for Andorra.
+
+   (1999-01-26)
+
+"""
+
+
+def test_foldoc_entries_become_documents_without_markup(tmp_path):
+    """Two entries of FOLDOC (GFDL; data/README.md) as dict-foldoc stores them (dictzip, which gzip reads)."""
+    import gzip
+
+    from data.registry_corpus import documents
+
+    with gzip.open(tmp_path / "foldoc.dict.dz", "wt", encoding="utf-8") as f:
+        f.write(FOLDOC_EXCERPT)
+    assert list(documents("foldoc", tmp_path)) == [
+        "Pascal with parallel extensions, similar to the earlier Glypnir. It has parallel constants and index sets. "
+        "Descendants include Parallel Pascal, Vector C and CMU's language PIE. [\"A Language for Array and Vector "
+        "Processors,\" R.H. Perrott, ACM TOPLAS 1(2):177-195 (Oct 1979)].",
+        "The country code for Andorra."]

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""The mr-vader fine-tuning task: Rotten Tomatoes sentences rated by people, from the sdist of vaderSentiment.
+
+Source: `movieReviewSnippets_GroundTruth.txt` in `additional_resources/hutto_ICWSM_2014.tar.gz` of the PyPI source
+distribution vaderSentiment==3.3.2 (MIT, C.J. Hutto): 10,605 sentences, each with the mean of at least 20 people's
+ratings from -4 (most negative) to +4 (most positive). Hutto and Gilbert, "VADER: A Parsimonious Rule-based Model
+for Sentiment Analysis of Social Media Text", ICWSM 2014.
+
+The task (SST-2's layout, plus the rating as a third column): label 1 when the rating is positive, 0 when
+negative; sentences rated within MIN_STRENGTH of neutral are left out, and a sentence that occurs more than once
+is kept once (its first rating). The split is fixed by a hash of the sentence (lower-cased, white space
+collapsed): SHA-256's first 8 bytes modulo 10 give test (0), dev (1) or train (2-9), so a sentence and its
+duplicates can only be in one split, and the split does not depend on the file's order.
+
+    python data/vader_movie_reviews.py --output_dir results/mr-vader [--sdist vaderSentiment-3.3.2.tar.gz]
+    python run_glue.py --task_name mr-vader --data_dir results/mr-vader ...
+
+Without --sdist, `pip download` fetches the sdist from PyPI into <output_dir>/download/ (once).
+"""
+
+import argparse
+import hashlib
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+VADER = "vaderSentiment==3.3.2"
+SDIST_NAME = "vaderSentiment-3.3.2.tar.gz"
+SDIST_SHA256 = "5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9"
+INNER_ARCHIVE = "vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz"
+GROUND_TRUTH = "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt"
+MIN_STRENGTH = 0.5  # |mean rating| below this: too close to neutral for a binary label
+SPLITS = ("test", "dev") + ("train",) * 8  # by hash modulo 10
+
+
+class SourceError(ValueError):
+    """The sdist cannot be fetched or does not hold the expected file."""
+
+
+def fetch_sdist(download_dir: Path) -> Path:
+    path = download_dir / SDIST_NAME
+    if not path.exists():
+        download_dir.mkdir(parents=True, exist_ok=True)
+        print(f"pip download {VADER} (PyPI source distribution, 2.5 MB) -> {download_dir}", file=sys.stderr)
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+                                 "--disable-pip-version-check", "--dest", str(download_dir), VADER],
+                                capture_output=True, text=True)
+        if result.returncode != 0 or not path.exists():
+            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise SourceError(f"cannot fetch {VADER} from PyPI (pip download: {last})")
+    return path
+
+
+def read_ground_truth(sdist: Path) -> list:
+    """(id, mean rating, sentence) rows of movieReviewSnippets_GroundTruth.txt inside the sdist."""
+    data = sdist.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != SDIST_SHA256:
+        raise SourceError(f"{sdist}: SHA-256 {digest}, expected {SDIST_SHA256} (another file than {VADER}'s sdist?)")
+    with tarfile.open(fileobj=io.BytesIO(data)) as outer:
+        inner = outer.extractfile(INNER_ARCHIVE).read()
+    with tarfile.open(fileobj=io.BytesIO(inner)) as archive:
+        text = archive.extractfile(GROUND_TRUTH).read().decode("utf-8")
+    return parse_ground_truth(text)
+
+
+def parse_ground_truth(text: str) -> list:
+    rows = []
+    for line in text.splitlines():
+        if line.strip():
+            identifier, rating, sentence = line.split("\t")
+            rows.append((identifier, float(rating), sentence.strip()))
+    return rows
+
+
+def sentence_key(sentence: str) -> str:
+    return " ".join(sentence.lower().split())
+
+
+def split_of(sentence: str) -> str:
+    digest = hashlib.sha256(sentence_key(sentence).encode("utf-8")).digest()
+    return SPLITS[int.from_bytes(digest[:8], "big") % len(SPLITS)]
+
+
+def labelled_splits(rows) -> dict:
+    """{"train"|"dev"|"test": [(sentence, label, rating)]} in the file's order (see the module docstring)."""
+    splits, seen = {name: [] for name in ("train", "dev", "test")}, set()
+    for _, rating, sentence in rows:
+        key = sentence_key(sentence)
+        if abs(rating) < MIN_STRENGTH or key in seen:
+            continue
+        seen.add(key)
+        splits[split_of(sentence)].append((sentence, int(rating > 0), rating))
+    return splits
+
+
+def write_task(splits: dict, output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        lines = "".join(f"{sentence}\t{label}\t{rating}\n" for sentence, label, rating in rows)
+        (output_dir / f"{name}.tsv").write_text("sentence\tlabel\trating\n" + lines, encoding="utf-8")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Write the mr-vader task (train/dev/test.tsv) from vaderSentiment's "
+                                     "movie-review sentences.")
+    parser.add_argument("--output_dir", required=True, type=Path)
+    parser.add_argument("--sdist", type=Path, help=f"a local {SDIST_NAME} (default: pip download into "
+                        "<output_dir>/download/)")
+    args = parser.parse_args(argv)
+    try:
+        splits = labelled_splits(read_ground_truth(args.sdist or fetch_sdist(args.output_dir / "download")))
+    except (SourceError, OSError, KeyError, tarfile.TarError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    write_task(splits, args.output_dir)
+    sizes = ", ".join(f"{name}.tsv ({len(rows)})" for name, rows in splits.items())
+    print(f"wrote {sizes} in {args.output_dir}; run_glue.py --task_name mr-vader")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
