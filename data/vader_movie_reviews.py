@@ -10,7 +10,8 @@ The task (SST-2's layout, plus the rating as a third column): label 1 when the r
 negative; sentences rated within MIN_STRENGTH of neutral are left out, and a sentence that occurs more than once
 is kept once (its first rating). The split is fixed by a hash of the sentence (lower-cased, white space
 collapsed): SHA-256's first 8 bytes modulo 10 give test (0), dev (1) or train (2-9), so a sentence and its
-duplicates can only be in one split, and the split does not depend on the file's order.
+duplicates can only be in one split, and the split does not depend on the file's order. Within a split the rows
+are in the order of that hash (the source file lists its positive sentences first; a slice of a split should not).
 
     python data/vader_movie_reviews.py --output_dir results/mr-vader [--sdist vaderSentiment-3.3.2.tar.gz]
     python run_glue.py --task_name mr-vader --data_dir results/mr-vader ...
@@ -79,21 +80,21 @@ def sentence_key(sentence: str) -> str:
     return " ".join(sentence.lower().split())
 
 
-def split_of(sentence: str) -> str:
-    digest = hashlib.sha256(sentence_key(sentence).encode("utf-8")).digest()
-    return SPLITS[int.from_bytes(digest[:8], "big") % len(SPLITS)]
+def sentence_hash(sentence: str) -> int:
+    return int.from_bytes(hashlib.sha256(sentence_key(sentence).encode("utf-8")).digest()[:8], "big")
 
 
 def labelled_splits(rows) -> dict:
-    """{"train"|"dev"|"test": [(sentence, label, rating)]} in the file's order (see the module docstring)."""
+    """{"train"|"dev"|"test": [(sentence, label, rating)]}, each in hash order (see the module docstring)."""
     splits, seen = {name: [] for name in ("train", "dev", "test")}, set()
     for _, rating, sentence in rows:
         key = sentence_key(sentence)
         if abs(rating) < MIN_STRENGTH or key in seen:
             continue
         seen.add(key)
-        splits[split_of(sentence)].append((sentence, int(rating > 0), rating))
-    return splits
+        hashed = sentence_hash(sentence)
+        splits[SPLITS[hashed % len(SPLITS)]].append((hashed, sentence, int(rating > 0), rating))
+    return {name: [row[1:] for row in sorted(rows)] for name, rows in splits.items()}
 
 
 def write_task(splits: dict, output_dir: Path) -> None:

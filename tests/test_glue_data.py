@@ -2,6 +2,7 @@
 and the metrics against hand-computed values (and numpy's own Pearson as a second reference)."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,6 +73,9 @@ def layout_rows(task_name, n=4):
         return {"train.tsv": [["sentence", "label"]] + [[s[i], str(i % 2)] for i in range(n)],
                 "dev.tsv": [["sentence", "label"]] + [[s[i], str(i % 2)] for i in range(n)],
                 "test.tsv": [["index", "sentence"]] + [[str(i), s[i]] for i in range(n)]}
+    if task_name == "mr-vader":  # data/vader_movie_reviews.py: sentence, label, rating; its test split is labelled
+        rows = [["sentence", "label", "rating"]] + [[s[i], str(i % 2), str(i % 2 - 0.5)] for i in range(n)]
+        return {"train.tsv": rows, "dev.tsv": rows, "test.tsv": rows}
     if task_name == "mrpc":
         head = ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"]
         labelled = [head] + [[str(i % 2), "1", "2", s[i], s[i + 1]] for i in range(n)]
@@ -117,8 +121,8 @@ def test_every_split_of_every_task_reads_its_columns(tmp_path, task_name):
             assert [e.text_b for e in examples] == SENTENCES[1:5]
         else:
             assert all(e.text_b is None for e in examples)
-        if split_name.startswith("test_"):
-            assert all(e.label is None for e in examples)
+        if task.splits()[split_name].label is None:
+            assert split_name.startswith("test_") and all(e.label is None for e in examples)
         elif task.labels is None:
             assert [e.label for e in examples] == [0.0, 1.25, 2.5, 3.75]
         else:
@@ -192,3 +196,70 @@ def test_regression_labels_are_float(tmp_path):
     test = convert_examples_to_features(read_examples(TASKS["sts-b"], directory, "test_sts-b"), TASKS["sts-b"],
                                         tokenizer, 64)
     assert "labels" not in test
+
+
+# ============================================================================ mr-vader (data/vader_movie_reviews.py)
+
+# Rows of movieReviewSnippets_GroundTruth.txt (vaderSentiment 3.3.2, MIT, C.J. Hutto) as the file has them: id, mean
+# rating, sentence, CRLF. Two are near neutral; one sentence comes twice (its ids 10324 and 10341).
+GROUND_TRUTH_ROWS = (
+    "3\t-0.6\tEffective but too tepid biopic\r\n"
+    "4\t1.46666666667\tIf you sometimes like to go to the movies to have fun, Wasabi is a good place to start.\r\n"
+    "28\t-0.333333333333\tAt about 95 minutes, Treasure Planet maintains a brisk pace as it races through the "
+    "familiar story. However, it lacks grandeur and that epic quality often associated with Stevenson's tale as well "
+    "as with earlier Disney efforts.\r\n"
+    "32\t0.466666666667\tLight, cute and forgettable.\r\n"
+    "5402\t-0.764705882353\tAlthough it tries to be much more, it's really just another Major League.\r\n"
+    "10324\t1.85\t'Stock up on silver bullets for director Neil Marshall's intense freight train of a film.'\r\n"
+    "10341\t1.5\t'Stock up on silver bullets for director Neil Marshall's intense freight train of a film.'\r\n")
+
+
+def expected_split(sentence):
+    """The documented rule, computed here: SHA-256 of the lower-cased sentence, first 8 bytes mod 10."""
+    import hashlib
+    bucket = int(hashlib.sha256(" ".join(sentence.lower().split()).encode()).hexdigest()[:16], 16) % 10
+    return "test" if bucket == 0 else "dev" if bucket == 1 else "train"
+
+
+def test_mr_vader_labels_by_sign_leaves_out_near_neutral_and_duplicates():
+    from data.vader_movie_reviews import labelled_splits, parse_ground_truth
+
+    rows = parse_ground_truth(GROUND_TRUTH_ROWS)
+    splits = labelled_splits(rows)
+    got = {sentence: (label, rating, name) for name, split in splits.items() for sentence, label, rating in split}
+    kept = {sentence: rating for _, rating, sentence in reversed(rows) if abs(rating) >= 0.5}  # a duplicate's first
+    assert len(got) == sum(map(len, splits.values())) == 4 == len(kept)
+    for sentence, (label, rating, name) in got.items():
+        assert rating == kept[sentence] and label == (1 if rating > 0 else 0) and name == expected_split(sentence)
+    assert got["'Stock up on silver bullets for director Neil Marshall's intense freight train of a film.'"][1] == 1.85
+
+
+def test_mr_vader_task_from_the_real_sdist(tmp_path):
+    """The whole set, when its sdist is at hand (the tests do not download): set MR_VADER_SDIST to
+    vaderSentiment-3.3.2.tar.gz (`pip download --no-deps --no-binary=:all: vaderSentiment==3.3.2`)."""
+    import os
+    import subprocess
+    import sys
+
+    from data.vader_movie_reviews import parse_ground_truth, read_ground_truth
+
+    sdist = os.environ.get("MR_VADER_SDIST")
+    if not sdist:
+        pytest.skip("MR_VADER_SDIST is not set")
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "data" / "vader_movie_reviews.py"), "--output_dir",
+                             str(tmp_path), "--sdist", sdist], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    source = read_ground_truth(Path(sdist))
+    assert len(source) == 10605
+    ratings = {sentence: rating for _, rating, sentence in reversed(source)}  # the first rating of a duplicate
+    task = TASKS["mr-vader"]
+    splits = {name: read_examples(task, tmp_path, name) for name in ("train", "mr-vader", "test_mr-vader")}
+    assert {name: len(examples) for name, examples in splits.items()} == {
+        "train": 8008, "mr-vader": 1001, "test_mr-vader": 1061}
+    sentences = [example.text_a for examples in splits.values() for example in examples]
+    assert len(set(sentences)) == len(sentences) == sum(abs(r) >= 0.5 for r in ratings.values())
+    for name, examples in splits.items():
+        for example in examples:
+            assert example.label == (ratings[example.text_a] > 0) and abs(ratings[example.text_a]) >= 0.5
+            assert expected_split(example.text_a) == {"mr-vader": "dev", "test_mr-vader": "test"}.get(name, name)
+    assert parse_ground_truth(GROUND_TRUTH_ROWS)[1] in source  # the excerpt above is the file's
