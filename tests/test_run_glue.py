@@ -448,6 +448,27 @@ def test_a_fine_tuned_checkpoint_evaluates_and_predicts_later(tmp_path):
     assert [row.split("\t")[1] for row in rows[1:]] == list(at_training.values())
 
 
+def test_a_labelled_test_set_is_scored_with_its_predictions(tmp_path):
+    """mr-vader's test split has labels: --do_predict writes its predictions and scores them; the accuracy is
+    recomputed here from the predictions file and the labels."""
+    data, mr = write_sst2_rule_task(tmp_path / "data", 64, 32), tmp_path / "mr"
+    mr.mkdir()
+    for name, source in (("train.tsv", "train.tsv"), ("dev.tsv", "dev.tsv"), ("test.tsv", "dev.tsv")):
+        rows = (data / source).read_text().splitlines()[1:]
+        (mr / name).write_text("sentence\tlabel\trating\n" + "".join(
+            f"{row}\t{2.5 if row.endswith('1') else -2.5}\n" for row in rows))
+    summary = run_glue.main(glue_argv(mr, tmp_path / "out", task_name="mr-vader", config_file=TINY_CONFIG,
+                                      max_steps=2, max_seq_length=32, do_predict=True))
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    labels = [row.split("\t")[1] for row in (mr / "test.tsv").read_text().splitlines()[1:]]
+    predicted = [row.split("\t")[1] for row in (tmp_path / "out" / "test_results_mr-vader.tsv").read_text()
+                 .splitlines()[1:]]
+    assert len(predicted) == len(labels) == 32
+    accuracy = sum(p == label for p, label in zip(predicted, labels, strict=True)) / len(labels)
+    assert results["test_mr-vader"] == {"acc": accuracy} and summary["test_mr-vader:acc"] == accuracy
+    assert results["mr-vader"]["acc"] == accuracy  # the same sentences as dev
+
+
 # ============================================================================ NVIDIA's flags
 
 def test_nvidias_glue_flags_that_mean_nothing_here_are_accepted_and_fp16_is_refused(tmp_path, capsys):
