@@ -211,14 +211,14 @@ def format_books(books_dir: str | os.PathLike[str], dest: Path) -> None:
     print(f"text_formatting: {len(files)} books -> {dest}", file=sys.stderr)
 
 
-def format_registry_source(source, download_dir, dest):
+def format_registry_source(source: str, download_dir: Path, dest: Path) -> None:
     """One document per line, a blank line after each, from the raw file of a registry_corpus source."""
     if not (download_dir / registry_corpus.RAW_FILES[source]).exists():
         raise InputError(f"{download_dir / registry_corpus.RAW_FILES[source]}: not fetched; run --action download "
                          "first")
     count = 0
 
-    def write_documents(out):
+    def write_documents(out: IO[str]) -> None:
         nonlocal count
         for document in registry_corpus.documents(source, download_dir):
             out.write(document + "\n\n")

@@ -24,6 +24,7 @@ import sys
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from common.atomic_write import write_atomically
@@ -98,9 +99,12 @@ def deb_member(deb: Path, member: str) -> bytes:
         if name.rstrip("/") == "data.tar.xz":
             with tarfile.open(fileobj=io.BytesIO(lzma.decompress(body))) as archive:
                 try:
-                    return archive.extractfile(member).read()
+                    file = archive.extractfile(member)
                 except KeyError:
-                    raise InputError(f"{deb}: no {member} in its data archive") from None
+                    file = None
+                if file is None:
+                    raise InputError(f"{deb}: no file {member} in its data archive")
+                return file.read()
         pos += 60 + size + size % 2
     raise InputError(f"{deb}: no data.tar.xz (only xz-compressed packages are read)")
 
@@ -110,6 +114,10 @@ def checked(data: bytes, expected: str, where: str) -> bytes:
     if digest != expected:
         raise InputError(f"{where}: SHA-256 {digest}, expected {expected} (another version of the file?)")
     return data
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    write_atomically(path, lambda out: out.write(data))
 
 
 def fetch(download_dir: Path, wiki_dump: Path) -> None:
@@ -122,26 +130,26 @@ def fetch(download_dir: Path, wiki_dump: Path) -> None:
         with zipfile.ZipFile(wheel) as archive:
             excerpt = checked(archive.read(GENSIM_MEMBER), GENSIM_MEMBER_SHA256, f"{wheel}: {GENSIM_MEMBER}")
         wiki_dump.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(wiki_dump, lambda out: out.write(excerpt))
+        write_bytes_atomically(wiki_dump, excerpt)
     for (pinned, (member, sha256)), source in zip(DEBIAN_FILES.items(), SOURCES, strict=True):
         raw = download_dir / RAW_FILES[source]
         if not raw.exists():
-            data = checked(deb_member(debs[pinned], member), sha256, f"{debs[pinned]}: {member}")
-            write_atomically(raw, lambda out, data=data: out.write(data))
+            write_bytes_atomically(raw, checked(deb_member(debs[pinned], member), sha256, f"{debs[pinned]}: {member}"))
     print(f"download: {wheel.name}, {', '.join(deb.name for deb in debs.values())} in {download_dir}",
           file=sys.stderr)
 
 
 # ============================================================================ Jane Austen
 
-def read_r_string_vectors(rdb_bytes):
+def read_r_string_vectors(rdb_bytes: bytes) -> list[list[str]]:
     """Decode an R lazy-load database holding character vectors only.
 
     Each object is a 4-byte length, then a zlib stream of R's XDR serialisation:
     'X\\n', format version, writer/reader versions, (v3: native encoding name),
     the STRSXP header and its length, then per string flags + length + bytes.
     """
-    vectors, pos = [], 0
+    vectors: list[list[str]] = []
+    pos = 0
     while pos < len(rdb_bytes):
         inflater = zlib.decompressobj()
         obj = inflater.decompress(rdb_bytes[pos + 4:])
@@ -167,14 +175,16 @@ def read_r_string_vectors(rdb_bytes):
     return vectors
 
 
-def austen_novels(rdb: Path) -> dict:
+def austen_novels(rdb: Path) -> dict[str, list[str]]:
     """{title: the novel's lines} from janeaustenr's Rdata.rdb."""
     return dict(zip(AUSTEN_TITLES, read_r_string_vectors(rdb.read_bytes()), strict=True))
 
 
-def split_into_parts(lines, chapters_per_part):
+def split_into_parts(lines: Iterable[str], chapters_per_part: int) -> list[list[str]]:
     """Group a novel's lines into parts of chapters_per_part chapters (title page in part 1)."""
-    parts, current, chapters = [], [], 0
+    parts: list[list[str]] = []
+    current: list[str] = []
+    chapters = 0
     for line in lines:
         if CHAPTER_HEADING.fullmatch(line.strip()):
             chapters += 1
@@ -185,7 +195,7 @@ def split_into_parts(lines, chapters_per_part):
     return parts + [current]
 
 
-def austen_documents(rdb: Path):
+def austen_documents(rdb: Path) -> Iterator[str]:
     """One document per chapter of the six novels (the title page goes with chapter 1): its lines joined."""
     for lines in austen_novels(rdb).values():
         for chapter in split_into_parts(lines, 1):
@@ -201,7 +211,7 @@ LEADING_CATEGORIES = re.compile(r"^<[^<>]*>\s*")                  # "<programmin
 TRAILING_DATE = re.compile(r"\s*\(\d{4}-\d{2}-\d{2}\)\s*$")       # "(2018-05-22)", the entry's last change
 
 
-def foldoc_documents(dict_dz: Path):
+def foldoc_documents(dict_dz: Path) -> Iterator[str]:
     """One document per FOLDOC entry: its definition lines (indented in the dictd file; the headword lines are
     not) joined, cross-reference braces, category tags and the last-change date removed. The database's own
     '00-database-*' entries are left out."""
@@ -218,7 +228,7 @@ def foldoc_documents(dict_dz: Path):
             yield body
 
 
-def documents(source: str, download_dir: Path):
+def documents(source: str, download_dir: Path) -> Iterator[str]:
     """The documents of "austen" or "foldoc", read from the raw file that fetch() left in download_dir, white space
     collapsed; a document that comes again (FOLDOC has some entries twice) is kept once."""
     reader = {"austen": austen_documents, "foldoc": foldoc_documents}[source]

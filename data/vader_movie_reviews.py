@@ -25,6 +25,7 @@ import io
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 
 VADER = "vaderSentiment==3.3.2"
@@ -54,20 +55,32 @@ def fetch_sdist(download_dir: Path) -> Path:
     return path
 
 
-def read_ground_truth(sdist: Path) -> list:
+Row = tuple[str, float, str]  # id, mean rating, sentence
+Labelled = tuple[str, int, float]  # sentence, label, mean rating
+
+
+def read_ground_truth(sdist: Path) -> list[Row]:
     """(id, mean rating, sentence) rows of movieReviewSnippets_GroundTruth.txt inside the sdist."""
     data = sdist.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != SDIST_SHA256:
         raise SourceError(f"{sdist}: SHA-256 {digest}, expected {SDIST_SHA256} (another file than {VADER}'s sdist?)")
-    with tarfile.open(fileobj=io.BytesIO(data)) as outer:
-        inner = outer.extractfile(INNER_ARCHIVE).read()
-    with tarfile.open(fileobj=io.BytesIO(inner)) as archive:
-        text = archive.extractfile(GROUND_TRUTH).read().decode("utf-8")
-    return parse_ground_truth(text)
+    inner = archive_member(data, INNER_ARCHIVE, sdist)
+    return parse_ground_truth(archive_member(inner, GROUND_TRUTH, sdist).decode("utf-8"))
 
 
-def parse_ground_truth(text: str) -> list:
+def archive_member(archive_bytes: bytes, member: str, where: Path) -> bytes:
+    with tarfile.open(fileobj=io.BytesIO(archive_bytes)) as archive:
+        try:
+            file = archive.extractfile(member)
+        except KeyError:
+            file = None
+        if file is None:
+            raise SourceError(f"{where}: no file {member} in it")
+        return file.read()
+
+
+def parse_ground_truth(text: str) -> list[Row]:
     rows = []
     for line in text.splitlines():
         if line.strip():
@@ -84,9 +97,10 @@ def sentence_hash(sentence: str) -> int:
     return int.from_bytes(hashlib.sha256(sentence_key(sentence).encode("utf-8")).digest()[:8], "big")
 
 
-def labelled_splits(rows) -> dict:
+def labelled_splits(rows: Iterable[Row]) -> dict[str, list[Labelled]]:
     """{"train"|"dev"|"test": [(sentence, label, rating)]}, each in hash order (see the module docstring)."""
-    splits, seen = {name: [] for name in ("train", "dev", "test")}, set()
+    splits: dict[str, list[tuple[int, str, int, float]]] = {name: [] for name in ("train", "dev", "test")}
+    seen = set()
     for _, rating, sentence in rows:
         key = sentence_key(sentence)
         if abs(rating) < MIN_STRENGTH or key in seen:
@@ -97,14 +111,14 @@ def labelled_splits(rows) -> dict:
     return {name: [row[1:] for row in sorted(rows)] for name, rows in splits.items()}
 
 
-def write_task(splits: dict, output_dir: Path) -> None:
+def write_task(splits: dict[str, list[Labelled]], output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():
         lines = "".join(f"{sentence}\t{label}\t{rating}\n" for sentence, label, rating in rows)
         (output_dir / f"{name}.tsv").write_text("sentence\tlabel\trating\n" + lines, encoding="utf-8")
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write the mr-vader task (train/dev/test.tsv) from vaderSentiment's "
                                      "movie-review sentences.")
     parser.add_argument("--output_dir", required=True, type=Path)
@@ -113,7 +127,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         splits = labelled_splits(read_ground_truth(args.sdist or fetch_sdist(args.output_dir / "download")))
-    except (SourceError, OSError, KeyError, tarfile.TarError) as err:
+    except (SourceError, OSError, tarfile.TarError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     write_task(splits, args.output_dir)
