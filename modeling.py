@@ -260,7 +260,8 @@ class BertEncoder(nn.Module):
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None) -> Tensor:
         """hidden_states [B, S, h] (embedding output) -> last layer's output [B, S, h]."""
-        # The pre-LN residual stream starts at 0, not at the embeddings (digest 3.2).
+        # The pre-LN residual stream starts at 0, not at the embeddings, as in the reference's `modeling.py`
+        # (Model-References 1.9.0 deepspeed-bert).
         residual = hidden_states.new_zeros(()) if self.pre_layer_norm else hidden_states
         step = self.checkpoint_interval or len(self.layer)
         use_checkpoint = self.checkpoint_interval > 0 and torch.is_grad_enabled()

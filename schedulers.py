@@ -13,7 +13,7 @@ resume and under DeepSpeed, which calls ``step()`` once per optimizer step. This
 reference, where the first two steps both ran with f(1) without ZeRO. For optimizers without a
 group counter (torch's Adam and AdamW keep theirs per parameter) t counts the scheduler's own
 ``step()`` calls instead, which is the same number when ``step()`` follows every optimizer step;
-the reference used a fixed step 1 there (digest section 7).
+the reference used a fixed step 1 there (its `schedulers.py`, Model-References 1.9.0 deepspeed-bert).
 
 Differences from the reference (Habana deepspeed-bert ``schedulers.py``):
 - every parameter group is updated, each from its own base LR;

@@ -1,4 +1,5 @@
-"""LANS against an independent float64 re-derivation of the reference's update (digest section 6.1).
+"""LANS against an independent float64 re-derivation of the reference's update (`lans.py`, Model-References
+1.9.0 deepspeed-bert).
 
 The reference below is written out scalar-by-scalar from the equations; it shares no code with
 lans.py. A mutant of it (beta weights swapped) must disagree, so the comparison can fail.

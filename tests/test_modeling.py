@@ -1,9 +1,11 @@
 """Tests of modeling.py against independent references.
 
 - transformers.BertForPreTraining (another implementation) for the post-LN wiring and the state_dict keys;
-- a float64 forward written here from the digest's equations (section 3.2) for the reference's pre-LN wiring;
+- a float64 forward written here from the equations of the reference's pre-LN wiring (`modeling.py`,
+  Model-References 1.9.0 deepspeed-bert);
 - the explicit softmax formula for attention, a hand-written cross-entropy for the criterion;
-- the closed parameter-count formula of digest 3.8 and the config values of digest 4.1.
+- a closed parameter-count formula worked out from the reference's `modeling.py`, and the values of its
+  `scripts/bert_1.5b_config.json` and `scripts/bert_5b_config.json`.
 """
 
 import json
@@ -73,7 +75,7 @@ class ReplayedDropout:
 
 
 def hidden_dropout_names(config):
-    """Digest 3.3: embeddings output, attention-output projection and FFN output of every layer."""
+    """The reference's `modeling.py`: embeddings output, attention-output projection and FFN output of every layer."""
     return ["bert.embeddings.dropout"] + [f"bert.encoder.layer.{i}.{part}.dropout"
                                           for i in range(config.num_hidden_layers)
                                           for part in ("attention.output", "output")]
@@ -137,7 +139,8 @@ def test_post_ln_dropout_placement_matches_transformers_with_the_same_masks(monk
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Independent float64 forward of the reference's pre-LN wiring (digest 3.2)
+# Independent float64 forward of the reference's pre-LN wiring (`modeling.py`, Model-References 1.9.0
+# deepspeed-bert)
 
 
 def reference_layer_norm(x, weight, bias):
@@ -157,10 +160,11 @@ def reference_attention(q, k, v, additive_mask):
 
 
 def reference_pre_ln_forward(p, config, input_ids, token_type_ids, attention_mask, dropout_masks=None):
-    """The digest's equations, written from scratch on the state_dict tensors `p`.
+    """The reference's equations, written from scratch on the state_dict tensors `p`.
 
-    dropout_masks: {module name: keep mask} for a training-mode forward, applied where digest 3.2-3.3 puts
-    hidden dropout (embeddings after their LayerNorm, attention and FFN outputs before the residual add).
+    dropout_masks: {module name: keep mask} for a training-mode forward, applied where the reference's
+    `modeling.py` puts hidden dropout (embeddings after their LayerNorm, attention and FFN outputs before the
+    residual add).
     """
     def dropout(x, name):
         if dropout_masks is None:
@@ -211,7 +215,7 @@ def test_pre_ln_matches_independent_float64_forward():
 
 
 def test_pre_ln_dropout_placement_matches_float64_forward_with_the_same_masks(monkeypatch):
-    """Training mode, hidden dropout 0.5: each dropout runs once, on the tensor digest 3.2-3.3 names."""
+    """Training mode, hidden dropout 0.5: each dropout runs once, on the tensor the reference's `modeling.py` drops."""
     config = small_config(layer_norm_large_model=True, hidden_dropout_prob=0.5)
     model = perturbed_model(config).double().train()
     replay = ReplayedDropout(model)
@@ -266,9 +270,9 @@ def test_sdpa_attention_matches_explicit_softmax_formula():
 
 
 def test_attention_dropout_acts_on_the_probabilities():
-    """Digest 3.2: dropout on P = softmax(scores), before P V. With V_j = e_j + e_last per head, each context
-    row reads back its dropped probabilities (every entry 0 or P / (1 - p)) and, in the last slot, their sum;
-    dropout anywhere else (scores, context) breaks one of the two."""
+    """As the reference's `modeling.py`: dropout on P = softmax(scores), before P V. With V_j = e_j + e_last
+    per head, each context row reads back its dropped probabilities (every entry 0 or P / (1 - p)) and, in the
+    last slot, their sum; dropout anywhere else (scores, context) breaks one of the two."""
     config = small_config(attention_probs_dropout_prob=0.5)  # hidden 32, 4 heads of d = 8
     batch, seq_len, heads, head_dim = 2, 7, 4, 8
     torch.manual_seed(0)
@@ -422,7 +426,8 @@ def test_default_checkpoint_function_and_bad_interval():
 
 
 def closed_form_count(h, layers, intermediate, vocab):
-    """Digest 3.8: per layer 4h^2 + 2hi + 9h + i; embeddings Vh + 512h + 2h + 2h; heads h^2+h, h^2+3h, V, 2h+2."""
+    """Worked out from the reference's `modeling.py`: per layer 4h^2 + 2hi + 9h + i; embeddings
+    Vh + 512h + 2h + 2h; heads h^2+h, h^2+3h, V, 2h+2."""
     padded = -(-vocab // 8) * 8
     embeddings = padded * h + 512 * h + 2 * h + 2 * h
     encoder = layers * (4 * h * h + 2 * h * intermediate + 9 * h + intermediate)
@@ -462,7 +467,7 @@ def test_count_command_rejects_a_bad_config_with_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "hiden_size" in err
 
 
-REFERENCE_VALUES = {  # digest 4.1
+REFERENCE_VALUES = {  # the reference's scripts/bert_1.5b_config.json and bert_5b_config.json
     "bert_1.5b_config.json": dict(hidden_size=1600, num_hidden_layers=48, num_attention_heads=25,
                                   intermediate_size=6400, vocab_size=30522, layer_norm_large_model=True),
     "bert_5b_config.json": dict(hidden_size=2560, num_hidden_layers=63, num_attention_heads=40,

@@ -1,5 +1,6 @@
-"""optimization.py: NVLAMB against its own float64 re-derivation (digest 6.5), the no-decay grouping
-rule on a small module with LayerNorm, biases and tied weights, and the optimizer factory."""
+"""optimization.py: NVLAMB against its own float64 re-derivation (the reference's `lamb.py`, Model-References
+1.9.0 deepspeed-bert), the no-decay grouping rule on a small module with LayerNorm, biases and tied weights, and
+the optimizer factory."""
 
 import math
 
