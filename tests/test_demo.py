@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results.md"
 DEMO_LOSSES = REPO / "tests" / "data" / "demo_losses.json"
 FIGURES = ("first", "last", "final")  # mean of steps 1-10, of steps 111-120, final_loss
+# The SQuAD sample's scores from the demo's checkpoint (docs/fine-tuning.md, Commands), where a record has them.
+SQUAD_FIGURES = ("squad_exact_match", "squad_f1")
 UNIFORM_GUESS = re.compile(r"ln\(30522\) \+ ln\(2\) = (\d+\.\d+)")
 # Kernels without a record: the first window may differ by their rounding alone (measured: 4e-5 without bf16
 # instructions, docs/results.md), within the recorded figure's rounding (5e-4) and as much again. The later
@@ -38,6 +40,7 @@ def recorded_losses(path=DEMO_LOSSES) -> list:
     for record in records:
         assert re.fullmatch(r"[0-9a-f]{16}", record["fingerprint"]), record
         assert all(re.fullmatch(r"\d+\.\d+", record[key]) for key in FIGURES), record
+        assert all(re.fullmatch(r"\d+\.\d+", record.get(key, "0.0")) for key in SQUAD_FIGURES), record
         assert all(record[key] for key in ("kernels", "command", "commit", "date", "machine")), record
     return records
 
@@ -48,19 +51,25 @@ def quoted_uniform_guess(text: str) -> str:
 
 
 def page_rows(text: str, records: list) -> dict:
-    """The results page's row of each record (found by its fingerprint in backticks): its three losses."""
+    """The results page's row of each record (found by its fingerprint in backticks): its three losses and
+    the SQuAD sample's "exact match, F1" ("—" where the record has none)."""
     rows = {}
     for record in records:
         lines = [line for line in text.splitlines() if f"`{record['fingerprint']}`" in line and line.startswith("|")]
         assert len(lines) == 1, f"{RESULTS}: {len(lines)} rows for fingerprint {record['fingerprint']}"
-        rows[record["fingerprint"]] = dict(zip(FIGURES, (cell.strip() for cell in lines[0].split("|")[2:5])))
+        rows[record["fingerprint"]] = [cell.strip() for cell in lines[0].split("|")[2:6]]
     return rows
+
+
+def page_cells(record: dict) -> list:
+    squad = ", ".join(record[key] for key in SQUAD_FIGURES) if SQUAD_FIGURES[0] in record else "—"
+    return [record[key] for key in FIGURES] + [squad]
 
 
 def test_results_page_shows_the_recorded_demo_losses():
     """docs/results.md shows each record of tests/data/demo_losses.json as it is, and the uniform guess."""
     text, records = RESULTS.read_text(), recorded_losses()
-    assert records and page_rows(text, records) == {r["fingerprint"]: {k: r[k] for k in FIGURES} for r in records}
+    assert records and page_rows(text, records) == {r["fingerprint"]: page_cells(r) for r in records}
     assert quoted_uniform_guess(text) == f"{math.log(30522) + math.log(2):.3f}"
     # Negative control: a page whose row differs from the file, or that lacks a record's row, is refused.
     ours = records[0]
@@ -79,6 +88,9 @@ def test_demo_loss_checks_separate_recorded_and_unrecorded_kernels(tmp_path):
     assert demo_figure_problems(exact, records, ours["fingerprint"]) == []
     assert len(demo_figure_problems({key: value + 0.001 for key, value in exact.items()}, records,
                                     ours["fingerprint"])) == 3
+    squad = {"squad_exact_match": float(ours["squad_exact_match"]), "squad_f1": float(ours["squad_f1"])}
+    assert demo_figure_problems(dict(exact, **squad), records, ours["fingerprint"]) == []
+    assert len(demo_figure_problems({**exact, **squad, "squad_exact_match": 2.5}, records, ours["fingerprint"])) == 1
     # The run without bf16 instructions (its own record): stale against ours, consistent on unknown kernels,
     # and a first window that moved is not.
     without_bf16 = {"first": 10.847168159484863, "last": 7.285353422164917, "final": 7.227994394302368}
@@ -158,9 +170,29 @@ def demo_figure_problems(measured: dict, records: list, fingerprint: str) -> lis
 
 
 def stale_figures(measured: dict, record: dict) -> list:
-    """The recorded figures that the measured values, rounded as recorded, do not reproduce."""
-    return [f"{key}: recorded {record[key]}, measured {measured[key]:.6f}" for key in FIGURES
+    """The recorded figures that the measured values, rounded as recorded, do not reproduce (the SQuAD
+    scores only where both the record and the measurement have them)."""
+    compared = [key for key in FIGURES + SQUAD_FIGURES if key in record and key in measured]
+    return [f"{key}: recorded {record[key]}, measured {measured[key]:.6f}" for key in compared
             if f"{measured[key]:.{len(record[key].split('.')[1])}f}" != record[key]]
+
+
+def squad_sample_scores(tmp_path, checkpoints) -> dict:
+    """The SQuAD path from the demo as docs/fine-tuning.md gives it (Commands): the offline v1.1 sample, one
+    epoch on one CPU rank from the demo's checkpoints; its exact match and F1."""
+    sample, output_dir = tmp_path / "squad_sample", tmp_path / "squad_v1.1"
+    subprocess.run([sys.executable, str(REPO / "data" / "squad_sample.py"), "--output_dir", str(sample)],
+                   env=helpers.checkout_env(), check=True, capture_output=True, timeout=300)
+    env = helpers.launcher_env(HL_DEVICE="cpu", HL_NGPU_PER_NODE="1", HL_MASTER_PORT=str(helpers.free_port()),
+                               HL_RESULTS_DIR=str(output_dir), INIT_CHECKPOINT=str(checkpoints),
+                               SQUAD_DIR=str(sample / "v1.1"), EPOCHS="1")
+    process = subprocess.Popen(["bash", str(REPO / "scripts" / "run_squad.sh"), "--max_seq_length", "64",
+                                "--max_query_length", "16"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    status, output = finish(process, timeout=600)
+    assert status == 0, output[-6000:]
+    scores = json.loads((output_dir / "eval_results.json").read_text())
+    return {"squad_exact_match": scores["exact_match"], "squad_f1": scores["f1"]}
 
 
 def start_demo(tmp_path, **settings) -> subprocess.Popen:
@@ -225,13 +257,15 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     # The losses recorded for this CPU's bf16 kernels are this run's (a stale record, or a change in what the
     # demo computes, fails here); on kernels without a record only the first window is compared, and the
     # test says so.
-    measured = {"first": windows[0], "last": windows[-1], "final": summary["final_loss"]}
+    measured = {"first": windows[0], "last": windows[-1], "final": summary["final_loss"],
+                **squad_sample_scores(tmp_path, results / "checkpoints")}
     digest, kernels = kernel_fingerprint()
     records = recorded_losses()
     assert demo_figure_problems(measured, records, digest) == [], f"kernels: {kernels}, fingerprint {digest}"
     if record_for(digest, records) is None:
         warnings.warn(f"no demo losses recorded for this CPU's bf16 kernels ({kernels}, fingerprint {digest}): "
-                      f"only the first window was compared, within {FIRST_WINDOW_TOLERANCE}; this run: {measured}. "
+                      f"only the first window was compared, within {FIRST_WINDOW_TOLERANCE}, and neither the later "
+                      f"windows nor the SQuAD sample's scores; this run: {measured}. "
                       f"To record them, add a record to {DEMO_LOSSES.relative_to(REPO)} and a row to "
                       f"docs/results.md", stacklevel=1)
     # The loss of a uniform guess (MLM + next sentence), as the demo prints it and the documentation quotes it.
