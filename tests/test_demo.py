@@ -260,9 +260,9 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     measured = {"first": windows[0], "last": windows[-1], "final": summary["final_loss"],
                 **squad_sample_scores(tmp_path, results / "checkpoints")}
     digest, kernels = kernel_fingerprint()
-    records = recorded_losses()
-    assert demo_figure_problems(measured, records, digest) == [], f"kernels: {kernels}, fingerprint {digest}"
-    if record_for(digest, records) is None:
+    recorded = recorded_losses()
+    assert demo_figure_problems(measured, recorded, digest) == [], f"kernels: {kernels}, fingerprint {digest}"
+    if record_for(digest, recorded) is None:
         warnings.warn(f"no demo losses recorded for this CPU's bf16 kernels ({kernels}, fingerprint {digest}): "
                       f"only the first window was compared, within {FIRST_WINDOW_TOLERANCE}, and neither the later "
                       f"windows nor the SQuAD sample's scores; this run: {measured}. "
