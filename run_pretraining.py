@@ -17,6 +17,7 @@ loop (`train`) -> final checkpoint and summary.
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -39,7 +40,7 @@ from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from schedulers import PolyWarmUpScheduler
-from training import checkpointing, gaudi, hardware, runtime, sizing, zero_partitions
+from training import checkpointing, gaudi, hardware, run_status, runtime, sizing, zero_partitions
 from training.runtime import HostInputError, InputError, InputErrorOnEveryRank, optimizer_step_suppressed
 
 if TYPE_CHECKING:  # deepspeed is imported only after runtime.choose_accelerator has picked the device
@@ -426,21 +427,21 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
 def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer,
                   config: BertConfig, data_layout: dict, say: Callable[[str], None], *, resume: bool,
                   resume_tag: str | None, phase2: bool, phase1_end_step: int, seed: int,
-                  output_dir: str) -> TrainState:
-    """Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one, which messages
+                  output_dir: str) -> tuple[TrainState, str | None]:
+    """(state, tag of the checkpoint resumed from, None for a fresh state). Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one, which messages
     name by output_dir) when resume (--resume_from_checkpoint); otherwise (or when it holds no checkpoint)
     a fresh state. resume_tag: --resume_step, None for the newest complete checkpoint. phase2: --phase2
     (with phase1_end_step, --phase1_end_step). seed: --seed, re-seeds the ranks after a resume on
     another world size."""
     fresh = TrainState(phase=2 if phase2 else 1)
     if not resume:
-        return fresh
+        return fresh, None
     world, rank = dist.get_world_size(), dist.get_rank()
     tag = resume_tag if resume_tag is not None else checkpointing.find_resume_tag(checkpoint_dir,
                                                                                    model_config=config.to_dict())
     if tag is None:
         say(f"no checkpoint in {output_dir}: starting from scratch")
-        return fresh
+        return fresh, None
     # (for an s3:// --output_dir, prepare() has already refused a tag the prefix lacks)
     if resume_tag is not None and not (checkpoint_dir / tag).is_dir():
         raise InputError(f"--resume_step {tag}: {output_dir} holds no checkpoint {tag}")
@@ -470,7 +471,7 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
     # and takes its parameters from the JSON at every start.
     if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (phase2 and client["phase"] == 1):
         follow_changed_schedule(engine.lr_scheduler, fresh_schedule, say)
-    return state
+    return state, tag
 
 
 SCHEDULE_FLAGS = {"total_steps": "--max_steps", "warmup": "--warmup_proportion",
@@ -528,6 +529,7 @@ def save(run: "Run", state: TrainState, window: "LogWindow") -> str:
     if run.copies is not None:
         run.copies.start(tag)
     run.say(f"saved checkpoint {tag}")
+    run.status_file.saved(tag)
     return tag
 
 
@@ -577,6 +579,7 @@ class Run:
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
     graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (training/gaudi.py); else none
+    status_file: run_status.StatusFile  # rank 0's report to the supervisor: the last checkpoint saved
     # from the flags
     max_steps: int
     steps_this_run: float          # math.inf for --steps_this_run -1
@@ -765,21 +768,26 @@ GraphBreaksFactory = Callable[[torch.device, torch.nn.Module, bool], gaudi.NoGra
 def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
          criterion: BertPretrainingCriterion | None = None,
          make_graph_breaks: GraphBreaksFactory = gaudi.graph_breaks,
-         device_memory: Callable[[torch.device], tuple] = hardware.device_memory_bytes) -> dict:
+         device_memory: Callable[[torch.device], tuple] = hardware.device_memory_bytes,
+         status_file: run_status.StatusFile | None = None) -> dict:
     """Run the training; returns the summary (the reference's final dllogger record) on every rank.
     clock (seconds), criterion (default: BertPretrainingCriterion()), make_graph_breaks (device, model,
     is 5B) and device_memory (device -> (bytes, description)) are there for tests: a fake clock, a loss that
-    turns NaN on chosen steps, HPU lazy-mode graph breaks on the CPU, a device smaller than the run."""
+    turns NaN on chosen steps, HPU lazy-mode graph breaks on the CPU, a device smaller than the run.
+    status_file: the one cli's run_cli reports the end to (default: a new one)."""
     started = clock()
     # From the start, SIGTERM/SIGINT (a preemption, forwarded by the launcher) only ask the run to stop: one that
     # comes during start-up (engine set-up, checkpoint load: minutes for the 5B model) stops the run before its
     # first step, one during training after the step under way, and none cuts a checkpoint copy short.
     with runtime.stop_requests() as stop_event:
         args = parse_arguments(argv)
+        status_file = status_file if status_file is not None else run_status.StatusFile()
+        status_file.place(args.json_summary)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         ds_config, model_config, data, copies = validate_args(args, world_size)
         try:
-            return train_run(args, started, ds_config, model_config, data, copies, stop_event, clock=clock,
+            return train_run(args, started, ds_config, model_config, data, copies, stop_event, status_file,
+                             clock=clock,
                              criterion=criterion if criterion is not None else BertPretrainingCriterion(),
                              make_graph_breaks=make_graph_breaks, device_memory=device_memory)
         except BaseException as err:  # the copy below may take minutes: no other rank's exit is a death meanwhile
@@ -792,7 +800,8 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
 
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
-              copies: checkpointing.CheckpointUploader | None, stop_event: threading.Event, *,
+              copies: checkpointing.CheckpointUploader | None, stop_event: threading.Event,
+              status_file: run_status.StatusFile, *,
               clock: Callable[[], float],
               criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple]) -> dict:
@@ -834,9 +843,11 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
         resume_tag = str(args.resume_step) if args.resume_step >= 0 else None
         if copies is not None:
             copies.prepare(device, args.resume_from_checkpoint, resume_tag, say=say)
-        state = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
-                              resume=args.resume_from_checkpoint, resume_tag=resume_tag, phase2=args.phase2,
-                              phase1_end_step=args.phase1_end_step, seed=args.seed, output_dir=args.output_dir)
+        state, resumed_tag = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
+                                           resume=args.resume_from_checkpoint, resume_tag=resume_tag,
+                                           phase2=args.phase2, phase1_end_step=args.phase1_end_step, seed=args.seed,
+                                           output_dir=args.output_dir)
+        status_file.saved(resumed_tag)
         if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
             return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger,
                                     say, clock() - started)
@@ -858,7 +869,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                   say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
                   copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
                                                                                     data.max_pred),
-                  peak_tflops=peak, graph_breaks=graph_breaks,
+                  peak_tflops=peak, graph_breaks=graph_breaks, status_file=status_file,
                   max_steps=int(args.max_steps), log_freq=int(args.log_freq), max_bad_steps=args.max_bad_steps,
                   steps_this_run=math.inf if args.steps_this_run == -1 else args.steps_this_run,
                   checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
@@ -955,10 +966,13 @@ def log_parameters(logger: "dllogger.Logger", args, ds_config: dict) -> None:
 
 
 def cli(argv=None) -> int:
-    """Command-line entry: one clear error line and a non-zero exit code instead of a traceback. Bad input and
-    a deliberate stop are final (the line says [no restart]): a restart would meet them again."""
-    return runtime.run_cli(main, argv, (ShardError, checkpointing.CheckpointError, TrainingStopped,
-                                        storage.StorageError), final=(InputError, TrainingStopped))
+    """Command-line entry: one clear error line instead of a traceback, and an exit status and status file for
+    the supervisor (training/run_status.py). Bad input and a deliberate stop are final (NO_RESTART, the line
+    says [no restart]): a restart would meet them again."""
+    status_file = run_status.StatusFile()
+    return runtime.run_cli(functools.partial(main, status_file=status_file), argv,
+                           (ShardError, checkpointing.CheckpointError, TrainingStopped, storage.StorageError),
+                           final=(InputError, TrainingStopped), report=status_file.ended)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ class InputError(ValueError):
 
 class HostInputError(InputError):
     """Bad input that may be one server's alone: a directory or file missing there, storage it cannot reach,
-    its copy of a shard. Its line is not marked NO_RESTART_MARK: the supervisor's host check decides whether
-    the job goes on without that server."""
+    its copy of a shard. It is not final (no NO_RESTART_MARK, exit status FAILED): the supervisor's host check
+    decides whether the job goes on without that server."""
 
 
 class InputErrorOnEveryRank(InputError):
@@ -17,8 +17,8 @@ class InputErrorOnEveryRank(InputError):
 
 
 # The end of the error line of a failure that a restart would meet again: bad input, or a run that stopped
-# itself on purpose (run_pretraining.py's --max_bad_steps). training/supervisor.py restarts a job after a lost
-# server or a failed collective, but not after a line that ends so.
+# itself on purpose (run_pretraining.py's --max_bad_steps). It tells the reader; training/supervisor.py reads
+# the exit status instead (training/run_status.py NO_RESTART), never the line.
 NO_RESTART_MARK = " [no restart]"
 
 

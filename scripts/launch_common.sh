@@ -304,7 +304,8 @@ launch_ranks() {
 }
 
 # Run the launcher; SIGTERM/SIGINT to this script (e.g. a scheduler signalling only PID 1) are passed on to
-# the ranks, which finish their step, save a checkpoint and exit 0. Returns the runner's status (0 then).
+# the ranks, which finish their step, save a checkpoint and exit 3 (stopped: training/run_status.py). Returns
+# the runner's status (3 then).
 # - One node: the local ranks (children of deepspeed.launcher.launch) are signalled directly. The deepspeed
 #   runner forwards nothing itself, and deepspeed.launcher.launch answers a signal by terminating the ranks
 #   and exiting 1.

@@ -93,7 +93,11 @@ command=(deepspeed --num_gpus 2 --no_local_rank --master_port "${MASTER_PORT:-29
          --max_predictions_per_seq "$max_pred" --seed 12439 --learning_rate "$LEARNING_RATE" --warmup_proportion 0.1
          --max_steps "$MAX_STEPS" --num_steps_per_checkpoint 60 --log_freq "$log_freq" ${run_args[@]+"${run_args[@]}"})
 echo "${command[*]}"
-run_forwarding_signals "${command[@]}"  # SIGTERM or Ctrl-C: the ranks save a checkpoint and exit 0
+# SIGTERM or Ctrl-C: the ranks save a checkpoint and exit 3 (stopped, training/run_status.py); the summary of
+# what was trained is still printed, then the script exits 3.
+status=0
+run_forwarding_signals "${command[@]}" || status=$?
+(( status == 0 || status == 3 )) || exit "$status"
 
 python - "$JSON_SUMMARY" <<'PY'
 import json, math, sys
@@ -109,3 +113,4 @@ print(f"== dllogger: {sys.argv[1]}")
 PY
 python scripts/plot_dllogger.py "$JSON_SUMMARY" -o "$run_dir/loss.png"
 echo "== TensorBoard: tensorboard --logdir $run_dir/tensorboard"
+exit "$status"

@@ -18,6 +18,7 @@ import pytest
 import helpers
 from data.shard_format import read_shard_header
 from test_resume import finish, output_until
+from training.run_status import ExitStatus
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results.md"
@@ -310,10 +311,10 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     assert (phase2 / "loss.png").exists() and tensorboard_scalars(phase2 / "tensorboard", "Train/average_loss")
 
     # SIGTERM to the demo's script alone (as a scheduler sends it) once phase 1 trains again: the ranks save
-    # a checkpoint and exit 0, and the demo still prints its summary. Formerly the script died at once (143)
+    # a checkpoint and exit STOPPED, and the demo still prints its summary, then exits STOPPED too. Formerly the script died at once (143)
     # and left its ranks running, with nothing saved.
     stopped = sigterm_demo_once_training(tmp_path, MAX_STEPS="1000")
-    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    assert stopped.returncode == ExitStatus.STOPPED, stopped.stdout[-3000:]
     summary = [r["data"] for r in helpers.read_dllogger(results / "dllogger.json")
                if r["type"] == "LOG" and r["step"] == []][-1]
     assert summary["stopped_by_signal"] is True and 140 <= summary["global_step"] < 1000

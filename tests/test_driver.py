@@ -29,6 +29,7 @@ from common.errors import NO_RESTART_MARK
 from finetune.hf_interop import to_transformers_config
 from modeling import BertPretrainingCriterion
 from training import checkpointing, gaudi, runtime
+from training.run_status import ExitStatus
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
              "tokens_per_second", "all_ranks_average_loss", "skipped_steps", "model_tflops", "mfu"}
@@ -416,8 +417,8 @@ def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_s
                                                                                         sent):
     """Rank 0 of a 2-rank job started alone: it waits in the rendezvous (torch.distributed's TCP store, which it
     hosts) for rank 1. A Ctrl-C there used to wait out --collective_timeout_s (the rendezvous blocks in C++,
-    where Python's handler cannot run); now the rank leaves within seconds with one line, exit 0 as for any
-    stop during start-up. Timed by this test's clock, from the signal to the process's end."""
+    where Python's handler cannot run); now the rank leaves within seconds with one line, exit STOPPED as for
+    any stop during start-up. Timed by this test's clock, from the signal to the process's end."""
     command, env, port = lone_rank_zero_of_two(tmp_path, tiny_shards, collective_timeout_s=60)
     process = subprocess.Popen(command, cwd=helpers.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
@@ -438,7 +439,8 @@ def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_s
     line = (f"rank 0 of 2: stop requested ({sent.name}) while waiting for the other ranks to join "
             f"(127.0.0.1:{port}): stopping before the first step")
     assert elapsed < runtime.RENDEZVOUS_STOP_GRACE_S + 5, (elapsed, out[-2000:], err[-2000:])
-    assert process.returncode == 0 and line in out.splitlines(), (process.returncode, out[-2000:], err[-2000:])
+    assert process.returncode == ExitStatus.STOPPED and line in out.splitlines(), (process.returncode, out[-2000:],
+                                                                                   err[-2000:])
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
@@ -464,7 +466,7 @@ class EndedBySigterm(Exception):
 def test_sigterm_during_start_up_stops_before_the_first_step(tmp_path, tiny_shards, resumed):
     """A real SIGTERM while the run starts: sent from its memory check, once the process group is up, before the
     model and engine are built and the checkpoint is loaded. The run finishes start-up, makes no step, changes
-    no checkpoint and returns its summary (the command line then exits 0). The handler the test puts in place
+    no checkpoint and returns its summary (the command line then exits STOPPED). The handler the test puts in place
     before the run, which raises, stands for the default action, which ended the ranks before."""
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4, gas=1)
     output_dir, json_summary = tmp_path / "checkpoints", tmp_path / "dllogger.json"

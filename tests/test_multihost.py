@@ -16,6 +16,7 @@ import pytest
 
 import helpers
 import multihost
+from training.run_status import ExitStatus
 
 pytestmark = pytest.mark.slow
 
@@ -214,8 +215,8 @@ def test_a_stalled_rank_is_reported_within_the_collective_timeout(test_hosts, jo
 
 def test_sigterm_to_the_launcher_stops_every_rank_on_every_host_with_a_checkpoint(test_hosts, job):
     """SIGTERM to the launcher on host 1 (training/supervisor.py, restarts on): it signals the ranks on both hosts
-    over pdsh; they agree to stop after the same step, save it and exit 0, and so does the launcher (no 30 s
-    SIGKILL, no lost save), without a restart."""
+    over pdsh; they agree to stop after the same step, save it and exit STOPPED, and so does the launcher (no
+    30 s SIGKILL, no lost save), without a restart."""
     results = job["root"] / "sigterm"
     process, _, _ = start_long_job(test_hosts, job, results, max_restarts=2)
     try:
@@ -226,7 +227,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_every_host_with_a_checkpoin
         if process.poll() is None:
             process.kill()
     output = (results.parent / "sigterm.log").read_text()
-    assert status == 0, output[-3000:]
+    assert status == ExitStatus.STOPPED, output[-3000:]
     assert output.count("deepspeed --num_nodes") == 1  # one attempt
     assert not any(line.startswith(("supervisor:", "error: supervisor:")) for line in output.splitlines())
     last = max(losses(results / "dllogger.json"))

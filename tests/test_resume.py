@@ -38,6 +38,7 @@ from data.dataset import SampleStream, scan_shards
 from data.shard_format import ShardError
 from test_checkpointing import read_only
 from training import checkpointing
+from training.run_status import ExitStatus
 
 THIS_FILE = Path(__file__).resolve()
 KILL_ENV = "FAULT_KILL"
@@ -565,7 +566,8 @@ def send_sigterm(process: subprocess.Popen, target: str) -> None:
 # Exit status of the `deepspeed` runner. It installs no handler on one node, so SIGTERM to it kills
 # only itself (the ranks still finish: they got the signal too). deepspeed.launcher.launch forwards
 # SIGTERM to the ranks, waits for them, then exits 1 (deepspeed/launcher/launch.py, sigkill_handler).
-RUNNER_STATUS = {"process_group": -signal.SIGTERM, "node_launcher": 1, "rank1": 0}
+# SIGTERM to a rank alone: the ranks stop and exit STOPPED, which the launcher and the runner pass on.
+RUNNER_STATUS = {"process_group": -signal.SIGTERM, "node_launcher": 1, "rank1": ExitStatus.STOPPED}
 
 
 @pytest.mark.slow
@@ -595,12 +597,12 @@ def test_preemption_saves_and_resumes_exactly(tmp_path, shards, references, targ
 @pytest.mark.slow
 def test_sigterm_to_one_rank_during_start_up_stops_every_rank_before_the_first_step(tmp_path, shards):
     """Rank 1 alone gets a SIGTERM as it sets up its engine (after the process group is up, before any
-    checkpoint load and step): both ranks finish start-up, agree to stop before the first step and exit 0,
-    and so does the launcher. No step is made and nothing is saved."""
+    checkpoint load and step): both ranks finish start-up, agree to stop before the first step and exit
+    STOPPED, and so does the launcher. No step is made and nothing is saved."""
     config, out = ds_config(tmp_path, 1, True, 2), tmp_path / "out"
     status, output = finish(start(driver_args(shards, out, config, tmp_path / "a.json", 8), 2,
                                   kill="sigterm_at_engine_set_up:1:1"))
-    assert status == 0 and "Traceback" not in output, output[-3000:]
+    assert status == ExitStatus.STOPPED and "Traceback" not in output, output[-3000:]
     assert "stop requested (SIGTERM/SIGINT) during start-up: stopping before the first step, at step 0" in output
     assert "stopped_by_signal : True" in output and "Training Iteration" not in output
     assert not out.exists() or list(out.iterdir()) == []

@@ -1,4 +1,4 @@
 """The pretraining runtime under the entry points: device and DeepSpeed set-up (runtime), checkpoints and
 resume (checkpointing), ZeRO partitions, sizing and device facts, Gaudi's graph cuts, the dllogger fallback,
-and the launchers' preflight and supervisor. It imports the model (modeling, lans) and common/, never an
-entry point, fine-tuning or data/."""
+the launchers' preflight and supervisor, and what a run tells the supervisor (run_status). It imports the
+model (modeling, lans) and common/, never an entry point, fine-tuning or data/."""

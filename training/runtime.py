@@ -10,7 +10,8 @@
 - `add_compile_arguments`, `compile_backend`, `compile_model`, `log_first_step`: the reference's torch.compile mode;
 - `load_init_weights`, `build_logger` (dllogger), `stop_requests` (SIGTERM/SIGINT), `build_profiler`;
 - `check_writable_directory`, `check_writable_file`: an unwritable output is an error before any work;
-- `InputError` (common/errors.py) and `run_cli`: bad input is one error line and a non-zero exit.
+- `InputError` (common/errors.py) and `run_cli`: bad input is one error line, and every way out an exit status
+  of training/run_status.py's contract with the supervisor.
 
 Functions take explicit values, not an argparse namespace. DeepSpeed is imported lazily: it picks its
 accelerator on first import.
@@ -41,6 +42,7 @@ from common.errors import NO_RESTART_MARK, HostInputError, InputError, InputErro
 from common.storage import WRITE_PROBE_PREFIX
 from modeling import TRANSFORMERS_ONLY_KEYS
 from training import gaudi, hardware, peer_watch, sizing
+from training.run_status import ExitStatus, exit_status_of
 
 try:
     import dllogger
@@ -57,7 +59,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line: with ~50 flags the usage block would bury the message."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
+        self.exit(ExitStatus.NO_RESTART, f"error: {message} (see --help)\n")
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -197,7 +199,8 @@ def _leave_after_failure(message: str) -> None:
     with _ERROR_LINE_LOCK:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(1)
+        _report_exit(ExitStatus.FAILED, message)
+        os._exit(ExitStatus.FAILED)
 
 
 def _leave_after_peer_died(what: str) -> None:
@@ -230,8 +233,8 @@ def stop_ends_rendezvous(stop_requested: bool = False):
     whose peer never came waited out the whole --collective_timeout_s. Inside this block the C-level handler
     also writes the signal's number to a pipe (signal.set_wakeup_fd) that a thread reads; when SIGINT/SIGTERM
     comes (or stop_requested: it came before) and the rendezvous has not completed RENDEZVOUS_STOP_GRACE_S
-    later, the thread prints one line and ends the process with status 0, as a stop during start-up does
-    (nothing trained, nothing to save; a supervisor restarts no job that exits 0). A rendezvous that completes
+    later, the thread prints one line and ends the process with ExitStatus.STOPPED, as a stop during start-up
+    does (nothing trained, nothing to save; a supervisor restarts no stopped job). A rendezvous that completes
     in time goes on, and the entry point's own stop handling applies."""
     if threading.current_thread() is not threading.main_thread():  # set_wakeup_fd: the main thread only
         yield
@@ -249,7 +252,8 @@ def stop_ends_rendezvous(stop_requested: bool = False):
               f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}): stopping before the first step",
               flush=True)
         sys.stderr.flush()
-        os._exit(0)  # the main thread is inside C++ and would not return before the collective timeout
+        _report_exit(ExitStatus.STOPPED, None)
+        os._exit(ExitStatus.STOPPED)  # the main thread is inside C++ and would not return before the collective timeout
 
     def watch() -> None:
         if stop_requested:
@@ -274,8 +278,14 @@ def stop_ends_rendezvous(stop_requested: bool = False):
         os.close(read_fd)
 
 
-# What a rank knows of the job for the message when a collective fails (set once, at initialisation).
-_JOB = {"timeout_s": None, "hosts": [], "peer_watch": None}
+# What a rank knows of the job for the message when a collective fails (set once, at initialisation), and
+# run_cli's `report`, which the ways out that end the process at once (os._exit) call too.
+_JOB = {"timeout_s": None, "hosts": [], "peer_watch": None, "report": None}
+
+
+def _report_exit(status: ExitStatus, message: str | None) -> None:
+    if _JOB["report"] is not None:
+        _JOB["report"](status, message)
 
 
 def job_hosts() -> list:
@@ -698,27 +708,30 @@ def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: boo
 def write_whole_lines() -> None:
     """Every line this process prints leaves it in one write. The deepspeed launcher runs its ranks unbuffered
     (`python -u`), where print() writes a text and its newline apart; the ranks and the launcher share one
-    pipe, so another process's output could land inside a line and hide it from training/supervisor.py, which
-    matches whole lines (an error line and its NO_RESTART_MARK, a rank's exit, a saved checkpoint). Line
-    buffering still sends each line at its newline. Only the process's own streams (sys.__stdout__,
+    pipe, so another process's output could land inside a line and cut it (the error line a user reads, the
+    lines the launch scripts filter). Line buffering still sends each line at its newline. Only the process's own streams (sys.__stdout__,
     sys.__stderr__): an object a caller has put in their place (pytest's capture) keeps its settings."""
     for stream in (sys.__stdout__, sys.__stderr__):
         if stream is not None:  # None: a process started without them
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
-    """main(argv) with one clear error line and exit status 1 for `errors` (plus InputError) instead of a
-    traceback. The ranks of one host meet the same bad input: its first local rank prints it, and on another
-    host than rank 0's it names itself (a file missing on that host alone would otherwise fail silently there
-    while rank 0 waits for it). The line of an error of a `final` type ends with NO_RESTART_MARK: a restart
-    would meet it again (training/supervisor.py); a HostInputError's never does (another set of servers may
-    not meet it). Whatever the process prints, it prints in whole lines (write_whole_lines)."""
+def run_cli(main, argv, errors: tuple, final: tuple = (), report=None) -> int:
+    """main(argv) with one clear error line instead of a traceback for `errors` (plus InputError), and an exit
+    status of training/run_status.py's contract: STOPPED when main's summary says a stop request ended it,
+    else DONE; NO_RESTART for an error of a `final` type (a restart would meet it again), but never for a
+    HostInputError (another set of servers may not meet it); FAILED for the others. The ranks of one host
+    meet the same bad input: its first local rank prints it, and on another host than rank 0's it names itself
+    (a file missing on that host alone would otherwise fail silently there while rank 0 waits for it). A final
+    error's line ends with NO_RESTART_MARK, for the reader. report(status, message), when given, hears how the
+    process ends (message: the error line's text, None without one), also where it ends at once (os._exit).
+    Whatever the process prints, it prints in whole lines (write_whole_lines)."""
     write_whole_lines()
+    _JOB["report"] = report
     leave_together = False  # every rank ended the same way: they can meet at a barrier
     try:
-        main(argv)
-        status, leave_together = 0, True
+        status, message = exit_status_of(main(argv)), None
+        leave_together = True
     except BaseException as err:
         leave_together = isinstance(err, InputErrorOnEveryRank)
         # Leaving, for any reason: a connection that closes from now on is no peer's death (training/peer_watch.py)
@@ -726,15 +739,20 @@ def run_cli(main, argv, errors: tuple, final: tuple = ()) -> int:
         if not isinstance(err, (InputError, *errors)):
             message = describe_collective_failure(err) if isinstance(err, (RuntimeError, dist.DistError)) else None
             if message is None:
+                if isinstance(err, Exception):  # not argparse's SystemExit, nor a KeyboardInterrupt
+                    _report_exit(ExitStatus.FAILED, f"{type(err).__name__}: {one_line(err)}")
                 raise
             _leave_after_failure(message)
         rank, local_rank = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
-        mark = NO_RESTART_MARK if isinstance(err, final) and not isinstance(err, HostInputError) else ""
+        is_final = isinstance(err, final) and not isinstance(err, HostInputError)
+        mark = NO_RESTART_MARK if is_final else ""
         if rank == "0" or not isinstance(err, InputError):
             print(f"error: {err}{mark}", file=sys.stderr, flush=True)
         elif local_rank == "0":
             print(f"error: rank {rank} on {socket.gethostname()}: {err}{mark}", file=sys.stderr, flush=True)
-        status = 1
+        status, message = (ExitStatus.NO_RESTART if is_final else ExitStatus.FAILED), str(err)
+    # Before the barrier: once every rank has passed it one may exit, and its launcher then ends the others.
+    _report_exit(status, message)
     if dist.is_available() and dist.is_initialized() and leave_together:
         dist.barrier()  # else a rank may abort at exit (gloo teardown, DeepSpeed 0.19.8 on CPU)
         stop_watching_peers(goodbye=True)  # after the barrier: every rank got this far

@@ -10,58 +10,52 @@ servers that remain when it fails.
 The launchers for several servers run it (scripts/launch_common.sh, HL_MAX_RESTARTS etc.). It runs on the
 launching server only. Each attempt is the command after `--` with `--num_nodes K --hostfile F
 --master_addr A --master_port P` put after `deepspeed`: F lists the attempt's K hosts, A is the first of them.
-When an attempt exits non-zero (a rank died, a collective timed out, a host became unreachable):
+It decides from the attempt's exit status and the run's status file alone, never from the wording of what
+the ranks print, which it passes through (training/run_status.py: the statuses, and how a rank's reaches it).
+When an attempt exits with another status than DONE or STOPPED (a rank died, a collective timed out, a host
+became unreachable):
 - every host of the job (the first --num_nodes of the hostfile) is checked with the preflight's checks
   (training/hosts.py: ssh, the same code, Python and pinned packages, the data directory);
 - the next attempt runs on the hosts that pass, as many of them as keep the DeepSpeed config's global batch
   (the accumulation steps adapt), resuming from the last checkpoint; a host that passes again is back;
-- it stops, with one `error: supervisor:` line, when a rank's error line ends with " [no restart]" (bad
-  input, or a run that stopped itself: common/errors.py NO_RESTART_MARK), when fewer than --min_hosts hosts can
-  be used, when --max_restarts restarts were made within --restart_window_s seconds, or when the job failed
-  --max_restarts times in a row the same way (the same error line, from the same checkpoint).
-Each restart is one `supervisor:` line on stdout and a record (step "SUPERVISOR") in the dllogger stream.
+- it stops, with one `error: supervisor:` line, when the status is NO_RESTART (bad input, or a run that
+  stopped itself), when fewer than --min_hosts hosts can be used, when --max_restarts restarts were made
+  within --restart_window_s seconds, or when the job failed --max_restarts times in a row the same way (the
+  same status and rank 0's same error, from the same checkpoint).
+The status file names the last checkpoint and rank 0's error, for the reports. Each restart is one
+`supervisor:` line on stdout and a record (step "SUPERVISOR") in the dllogger stream.
 SIGTERM/SIGINT: the ranks on every host of the attempt are signalled (scripts/signal_ranks.sh over pdsh):
-they save a checkpoint and exit 0, and so does the supervisor; nothing is restarted. Between two attempts
-(the last one failed) it starts none: one `error: supervisor:` line, and the failed attempt's status.
+they save a checkpoint and exit STOPPED, and so does the supervisor; nothing is restarted. Between two
+attempts (the last one failed) it starts none: one `error: supervisor:` line, and the failed attempt's status.
 """
 
 import argparse
 import collections
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from common.deepspeed_config import DeepSpeedConfigError, read_batch_arithmetic
-from common.errors import NO_RESTART_MARK, InputError
+from common.errors import InputError
 from training.hosts import REPO_ROOT, hosts_for_job, parse_hostfile, problems_by_host
+from training.run_status import ExitStatus, read_status, status_path
 
 try:
     import dllogger
 except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the same API subset
     from training import dllogger_fallback as dllogger
 
-# After the first sign of a failed rank, the time the runner has to exit before it is ended: pdsh waits for
-# every ssh connection, and one to a server that vanished may never end (without ServerAliveInterval in ssh's
-# config).
+# After the first sign that an attempt ends (rank 0 reported its end, or a server's connection ended), the time
+# the runner has to exit before it is ended: pdsh waits for every ssh connection, and one to a server that
+# vanished may never end (without ServerAliveInterval in ssh's config).
 EXIT_GRACE_S = 60.0
 POLL_S = 0.2
-# A line of the job's output, optionally behind pdsh's "host: " prefix.
-ERROR_LINE = re.compile(r"^(?:\S+: )?error: (.+)$")
-# Signs of a failed rank that come without one of our error lines (a rank aborted by NCCL's watchdog, killed
-# by a signal or the kernel): DeepSpeed's per-node launcher (deepspeed/launcher/launch.py, logger.error) and
-# pdsh report a non-zero exit.
-RANK_EXIT_LINE = re.compile(r"^(?:(?P<host>\S+): )?\[[^\]]*\] \[ERROR\] \[launch\.py:\d+:\w+\] .* "
-                            r"exits with return code = (?P<status>-?\d+)$")
-REMOTE_EXIT_LINE = re.compile(r"^pdsh@\S+: (?P<host>\S+): (?P<command>\S+) exited with exit code (?P<status>\d+)$")
-CHECKPOINT_LINE = re.compile(r"\[run_pretraining\] (?:saved|resumed from) checkpoint ([^:\s]+)")
 
 
 class SupervisorStop(Exception):
@@ -70,12 +64,10 @@ class SupervisorStop(Exception):
 
 @dataclass
 class Outcome:
-    """How an attempt ended, as far as its output tells."""
+    """How an attempt ended: its exit status, and what the run's status file says of it."""
     status: int
-    reason: str | None = None       # the job's first error line (pdsh's host prefix removed), else its first
-                                    # sign of a failed rank (failure_sign); a final error line before both
-    checkpoint: str | None = None   # the last checkpoint the ranks saved or resumed from
-    final: bool = False             # an error line ended with NO_RESTART_MARK: a restart would meet it again
+    reason: str | None = None       # rank 0's error (the status file's message), when this attempt wrote one
+    checkpoint: str | None = None   # the last checkpoint the run saved or resumed from, in this or an earlier attempt
 
 
 def exit_status_text(status: int) -> str:
@@ -84,67 +76,52 @@ def exit_status_text(status: int) -> str:
             return f"was killed by {signal.Signals(-status).name}"
         except ValueError:
             pass
-    return f"exited with status {status}"
+    try:
+        return f"exited with status {status} ({ExitStatus(status).name})"
+    except ValueError:
+        return f"exited with status {status}"
 
 
-def failure_sign(line: str) -> str | None:
-    """The failure that a line of DeepSpeed's launcher or of pdsh reports, in words without its time stamp
-    (so that the same failure reads the same at each attempt); None for any other line."""
-    rank_exit = RANK_EXIT_LINE.match(line)
-    if rank_exit and int(rank_exit["status"]) != 0:
-        where = f" on {rank_exit['host']}" if rank_exit["host"] else ""
-        return f"a rank{where} {exit_status_text(int(rank_exit['status']))} (DeepSpeed's launcher)"
-    remote_exit = REMOTE_EXIT_LINE.match(line)
-    if remote_exit and int(remote_exit["status"]) != 0:
-        command, host, status = remote_exit.group("command", "host", "status")
-        return f"the {command} to {host} exited with status {status} (pdsh)"
-    return None
+def pdsh_connections(pid: int) -> set:
+    """The processes that a pdsh below process `pid` runs: its ssh connections, one per server (Linux /proc)."""
+    children = collections.defaultdict(list)  # parent pid -> [(pid, name)]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process has ended
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        children[int(fields[1])].append((int(stat.parent.name), name))
+    connections, below = set(), [pid]
+    while below:
+        for child, name in children[below.pop()]:
+            below.append(child)
+            if name == "pdsh":
+                connections.update(grandchild for grandchild, _ in children[child])
+    return connections
 
 
-class OutputWatcher:
-    """Copies the job's output through, and notes its first error line, its first final one (NO_RESTART_MARK),
-    its first sign of a failed rank and the last checkpoint it names."""
+class EndWatch:
+    """When an attempt began to end, read without its output: rank 0 wrote its end into the status file (after
+    `before`, the file's content when the attempt started), or one of pdsh's connections ended."""
 
-    def __init__(self, checkpoint=None):
-        self.error, self.final, self.sign, self.checkpoint, self.failed_at = None, None, None, checkpoint, None
-        self.threads = []
+    def __init__(self, status_file: Path, before: dict | None):
+        self.status_file, self.before = status_file, before
+        self.connections, self.started_to_end = set(), None
 
-    @property
-    def reason(self) -> str | None:
-        """The first final error line, else the first error line (pdsh's host prefix and the mark removed),
-        else the first sign of a failed rank."""
-        return self.final or self.error or self.sign
+    def status(self) -> dict | None:
+        """The status file as this attempt wrote it; None when it has not (yet)."""
+        status = read_status(self.status_file)
+        return status if status is not None and status != self.before else None
 
-    def note(self, line: str) -> None:
-        error = ERROR_LINE.match(line)
-        if error:
-            text = error.group(1).strip()
-            if text.endswith(NO_RESTART_MARK) and self.final is None:
-                self.final = text.removesuffix(NO_RESTART_MARK)
-            if self.error is None:
-                self.error = text
-        sign = None if error else failure_sign(line)
-        if sign and self.sign is None:
-            self.sign = sign
-        if (error or sign) and self.failed_at is None:
-            self.failed_at = time.monotonic()
-        saved = CHECKPOINT_LINE.search(line)
-        if saved:
-            self.checkpoint = saved.group(1)
-
-    def follow(self, stream, sink) -> None:
-        def pump():
-            for line in stream:
-                sink.write(line)
-                sink.flush()
-                self.note(line.rstrip("\n"))
-        thread = threading.Thread(target=pump, daemon=True)
-        thread.start()
-        self.threads.append(thread)
-
-    def join(self, timeout: float) -> None:
-        for thread in self.threads:
-            thread.join(timeout)
+    def check(self, runner_pid: int) -> None:
+        if self.started_to_end is not None:
+            return
+        now = pdsh_connections(runner_pid)
+        status = self.status()
+        if (status is not None and status["ended"] is not None) or self.connections - now:
+            self.started_to_end = time.monotonic()
+        self.connections |= now
 
 
 class RestartBudget:
@@ -158,7 +135,7 @@ class RestartBudget:
 
     def refusal(self, outcome: Outcome, now: float) -> str | None:
         """Why the job must not be restarted after `outcome` (None: restart), counting it as a failure."""
-        failure = (outcome.reason, outcome.checkpoint)
+        failure = (outcome.status, outcome.reason, outcome.checkpoint)
         self.repeats = self.repeats + 1 if failure == self.last_failure else 1
         self.last_failure = failure
         if self.max_restarts == 0:
@@ -224,6 +201,7 @@ class Supervisor:
         self.job_hosts = hosts_for_job(parse_hostfile(settings.hostfile), settings.num_nodes, settings.ngpu_per_node,
                                        settings.hostfile)
         self.budget = RestartBudget(settings.max_restarts, settings.restart_window_s)
+        self.status_file = status_path(settings.json_summary)
         self.stop_requests = self.stops_forwarded = 0
 
     def request_stop(self, signum, frame) -> None:
@@ -235,12 +213,12 @@ class Supervisor:
         while True:
             outcome = self.run_attempt(hosts, restarts, checkpoint)
             checkpoint = outcome.checkpoint
-            if outcome.status == 0 or self.stop_requests:
+            if outcome.status in (ExitStatus.DONE, ExitStatus.STOPPED) or self.stop_requests:
                 return outcome.status
             try:
-                if outcome.final:
-                    raise SupervisorStop(f"the job's error is marked {NO_RESTART_MARK.strip()} (bad input, or a run "
-                                         "that stopped itself): a restart would meet it again")
+                if outcome.status == ExitStatus.NO_RESTART:
+                    raise SupervisorStop(f"the job {exit_status_text(outcome.status)}: bad input, or a run that "
+                                         "stopped itself; a restart would meet it again")
                 refusal = self.budget.refusal(outcome, time.monotonic())
                 if refusal:
                     raise SupervisorStop(refusal)
@@ -268,12 +246,10 @@ class Supervisor:
         command = [self.command[0], "--num_nodes", str(len(hosts)), "--hostfile", str(hostfile), "--master_addr",
                    hosts[0], "--master_port", str(self.settings.master_port), *self.command[1:]]
         print(" ".join(command), flush=True)
-        # A session of its own: a Ctrl-C at the terminal reaches the supervisor only, which stops the ranks.
-        runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  errors="replace", start_new_session=True)
-        watcher = OutputWatcher(checkpoint)
-        watcher.follow(runner.stdout, sys.stdout)
-        watcher.follow(runner.stderr, sys.stderr)
+        watch = EndWatch(self.status_file, read_status(self.status_file))
+        # A session of its own: a Ctrl-C at the terminal reaches the supervisor only, which stops the ranks. Its
+        # output goes straight to ours: the supervisor reads none of it.
+        runner = subprocess.Popen(command, start_new_session=True)
         ended = False
         while runner.poll() is None:
             if self.stop_requests > self.stops_forwarded:
@@ -282,15 +258,18 @@ class Supervisor:
                     runner.send_signal(signal.SIGTERM)  # start-up, no rank yet: the runner stops its pdsh
             # After a stop request too: a failed rank cannot take part in the stop's checkpoint (every rank
             # saves its part, then rank 0 the manifest), so the runner has nothing left to wait for but pdsh.
-            elif (not ended and watcher.failed_at is not None
-                  and time.monotonic() - watcher.failed_at > EXIT_GRACE_S):
-                print(f"supervisor: the job has not ended {EXIT_GRACE_S:g} s after its error: ending the runner",
-                      flush=True)
-                os.killpg(runner.pid, signal.SIGKILL)  # the runner, pdsh and its ssh clients
-                ended = True
+            elif not ended:
+                watch.check(runner.pid)
+                if watch.started_to_end is not None and time.monotonic() - watch.started_to_end > EXIT_GRACE_S:
+                    print(f"supervisor: the job has not ended {EXIT_GRACE_S:g} s after it began to (rank 0's end, or "
+                          "a server's connection): ending the runner", flush=True)
+                    os.killpg(runner.pid, signal.SIGKILL)  # the runner, pdsh and its ssh clients
+                    ended = True
             time.sleep(POLL_S)
-        watcher.join(timeout=10)
-        return Outcome(runner.returncode, watcher.reason, watcher.checkpoint, final=watcher.final is not None)
+        status = watch.status()
+        if status is None:  # rank 0 wrote nothing in this attempt: it did not get far, or was killed
+            return Outcome(runner.returncode, None, checkpoint)
+        return Outcome(runner.returncode, status["message"], status["checkpoint"])
 
     # ---------------------------------------------------------------- hosts
     def end_leftovers(self, hosts: list, previous_master: str) -> None:
@@ -304,7 +283,7 @@ class Supervisor:
         back = [name for name in chosen if name not in previous]
         why_left = {name: problems[name][0] if problems.get(name) else "passes, but the global batch needs fewer hosts"
                     for name in left}
-        reason = outcome.reason or f"the job exited with status {outcome.status}"
+        reason = outcome.reason or f"the job {exit_status_text(outcome.status)}"
         print(f"supervisor: restart {restarts} "
               f"(at most {self.settings.max_restarts} within {self.settings.restart_window_s:g} s) "
               f"at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC after: {reason}; "
@@ -317,7 +296,7 @@ class Supervisor:
                         "hosts_back": back})
 
     def stop_line(self, stop: SupervisorStop, outcome: Outcome) -> None:
-        reason = outcome.reason or f"the job exited with status {outcome.status}"
+        reason = outcome.reason or f"the job {exit_status_text(outcome.status)}"
         print(f"error: supervisor: not restarting: {stop}; the job's last error: {reason}", file=sys.stderr,
               flush=True)
         self.log_event({"event": "stop", "why": str(stop), "reason": reason, "exit_status": outcome.status,
