@@ -428,11 +428,11 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
                   config: BertConfig, data_layout: dict, say: Callable[[str], None], *, resume: bool,
                   resume_tag: str | None, phase2: bool, phase1_end_step: int, seed: int,
                   output_dir: str) -> tuple[TrainState, str | None]:
-    """(state, tag of the checkpoint resumed from, None for a fresh state). Resume from checkpoint_dir (--output_dir, or the staging copy of an s3:// one, which messages
-    name by output_dir) when resume (--resume_from_checkpoint); otherwise (or when it holds no checkpoint)
-    a fresh state. resume_tag: --resume_step, None for the newest complete checkpoint. phase2: --phase2
-    (with phase1_end_step, --phase1_end_step). seed: --seed, re-seeds the ranks after a resume on
-    another world size."""
+    """(state, the tag of the checkpoint resumed from or None). Resume from checkpoint_dir (--output_dir, or the
+    staging copy of an s3:// one, which messages name by output_dir) when resume (--resume_from_checkpoint);
+    otherwise (or when it holds no checkpoint) a fresh state. resume_tag: --resume_step, None for the newest
+    complete checkpoint. phase2: --phase2 (with phase1_end_step, --phase1_end_step). seed: --seed, re-seeds the
+    ranks after a resume on another world size."""
     fresh = TrainState(phase=2 if phase2 else 1)
     if not resume:
         return fresh, None

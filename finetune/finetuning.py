@@ -647,5 +647,6 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
 
 
 def run_cli(main, argv) -> int:
-    """An entry point's cli(): one error line and exit status 1 for bad input or a bad checkpoint."""
+    """An entry point's cli(): one error line and exit status 1 for bad input or a bad checkpoint; 3 (STOPPED,
+    training/run_status.py) when a stop request ended training."""
     return runtime.run_cli(main, argv, (checkpointing.CheckpointError,))

@@ -311,8 +311,8 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     assert (phase2 / "loss.png").exists() and tensorboard_scalars(phase2 / "tensorboard", "Train/average_loss")
 
     # SIGTERM to the demo's script alone (as a scheduler sends it) once phase 1 trains again: the ranks save
-    # a checkpoint and exit STOPPED, and the demo still prints its summary, then exits STOPPED too. Formerly the script died at once (143)
-    # and left its ranks running, with nothing saved.
+    # a checkpoint and exit STOPPED, and the demo still prints its summary, then exits STOPPED too. Formerly
+    # the script died at once (143) and left its ranks running, with nothing saved.
     stopped = sigterm_demo_once_training(tmp_path, MAX_STEPS="1000")
     assert stopped.returncode == ExitStatus.STOPPED, stopped.stdout[-3000:]
     summary = [r["data"] for r in helpers.read_dllogger(results / "dllogger.json")

@@ -10,6 +10,7 @@ import pytest
 import helpers
 from common.errors import HostInputError, InputError
 from training import hardware, runtime
+from training.run_status import ExitStatus
 
 
 def assert_decision(check, facts: tuple, expected: str | None) -> None:
@@ -63,7 +64,7 @@ def test_pretraining_with_a_ds_accelerator_of_another_device_is_one_error_line(t
     output_dir = tmp_path / "out"
     argv = helpers.driver_argv(tiny_shards, output_dir, ds_config, no_cuda=False, max_steps=1)
     result = helpers.run_single_process(argv, env=helpers.launcher_env(DS_ACCELERATOR=value))
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == ExitStatus.NO_RESTART, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
         f"error: DS_ACCELERATOR={value} names another device than this run's, cpu (no CUDA device here): unset "
         f"DS_ACCELERATOR (the entry point sets it) or set it to cpu"

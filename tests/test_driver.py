@@ -267,7 +267,7 @@ def test_resume_with_another_data_layout_is_one_error_line(tmp_path, tiny_shards
         return helpers.driver_argv(tiny_shards, output_dir, tmp_path / "ds.json", max_steps=3,
                                    json_summary=tmp_path / "dllogger.json", resume_from_checkpoint=True, **flags)
 
-    assert rp.cli(resume_argv(**changed)) == 1
+    assert rp.cli(resume_argv(**changed)) == ExitStatus.NO_RESTART
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "another data layout" in errors[0] and field in errors[0], errors
     assert "resume with the same data and settings" in errors[0]
@@ -578,7 +578,9 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, capsys, case):
+def test_bad_input_gives_one_error_line_and_its_exit_status(tmp_path, capsys, case):
+    """One error line; the status NO_RESTART where the line says [no restart] (a setting wrong for every
+    server), else FAILED (input one server may lack: the supervisor's host check decides)."""
     prepare, flags, message = BAD_INPUTS[case]
     flags = dict(flags)
     data_dir = tmp_path / "shards"
@@ -603,10 +605,11 @@ def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, capsys, case):
     argv = helpers.driver_argv(data_dir, flags.pop("output_dir", tmp_path / "out"), ds_config,
                                json_summary=flags.pop("json-summary", tmp_path / "log.json"),
                                **{"input_dir": data_dir, **flags})
-    assert rp.cli(argv) == 1
+    status = rp.cli(argv)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert re.search(message, errors[0]), errors[0]
+    assert status == (ExitStatus.NO_RESTART if errors[0].endswith(NO_RESTART_MARK) else ExitStatus.FAILED)
 
 
 def test_segment_ids_are_checked_against_the_models_type_vocab_size(tmp_path, capsys):
@@ -632,7 +635,7 @@ def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shard
                 else (tmp_path / "out", locked / "log.json"))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     with read_only(locked):
-        assert rp.cli(helpers.driver_argv(tiny_shards, out, ds_config, json_summary=log)) == 1
+        assert rp.cli(helpers.driver_argv(tiny_shards, out, ds_config, json_summary=log)) == ExitStatus.NO_RESTART
     flag = "--output_dir" if where == "output_dir" else "--json-summary's directory"
     path = out if where == "output_dir" else locked
     out, err = capsys.readouterr()
@@ -671,15 +674,15 @@ def test_bad_input_is_printed_once_per_host_naming_a_host_other_than_rank_0s(tmp
     (checkpointing.CheckpointError("cannot write checkpoint 8 on rank 1"), False)])
 def test_bad_input_and_a_deliberate_stop_say_no_restart(monkeypatch, capsys, raised, marked):
     """training/supervisor.py restarts a failed job, but a restart would meet bad input or a --max_bad_steps stop
-    again: their line ends with [no restart], which the supervisor does not restart. Input that may be one
-    server's alone (a HostInputError) is left to the supervisor's host check."""
+    again: they exit NO_RESTART, which the supervisor does not restart, and their line ends with [no restart].
+    Input that may be one server's alone (a HostInputError) is left to the supervisor's host check."""
     monkeypatch.delenv("RANK", raising=False)
 
-    def main(argv):
+    def main(argv, status_file):
         raise raised
 
     monkeypatch.setattr(rp, "main", main)
-    assert rp.cli([]) == 1
+    assert rp.cli([]) == (ExitStatus.NO_RESTART if marked else ExitStatus.FAILED)
     assert capsys.readouterr().err == f"error: {raised}{' [no restart]' if marked else ''}\n"
 
 
@@ -691,7 +694,7 @@ def test_which_start_up_errors_say_no_restart(tmp_path, tiny_shards, capsys, inp
     not marked [no restart]; a setting that is wrong for every server is."""
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", micro=ds_micro)
     argv = helpers.driver_argv(input_dir or tiny_shards, tmp_path / "out", ds_config)
-    assert rp.cli(argv) == 1
+    assert rp.cli(argv) == (ExitStatus.NO_RESTART if marked else ExitStatus.FAILED)
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --input_dir ") and line.endswith(" [no restart]") == marked, line
 
@@ -701,7 +704,7 @@ def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, json_summary=tmp_path / "log.json",
                                optimizer="sgd")
     result = helpers.run_single_process(argv, timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == ExitStatus.NO_RESTART
     assert result.stderr.strip().splitlines()[-1].startswith("error: unknown --optimizer 'sgd'")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "log.json").exists()
@@ -743,7 +746,7 @@ def test_tensorboard_without_its_package_is_a_clear_error(tmp_path, tiny_shards,
                         lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json",
                                         tensorboard={"enabled": True, "output_path": str(tmp_path)})
-    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)) == 1
+    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)) == ExitStatus.NO_RESTART
     assert "enables TensorBoard but the tensorboard package is not installed" in capsys.readouterr().err
 
 
@@ -807,7 +810,7 @@ def test_phase2_from_the_wrong_step_is_an_error(tmp_path, tiny_shards, capsys):
     ds_config = tmp_path / "ds.json"
     argv = helpers.driver_argv(tiny_shards, tmp_path / "checkpoints", ds_config, phase2=True, phase1_end_step=7,
                                resume_from_checkpoint=True)
-    assert rp.cli(argv) == 1
+    assert rp.cli(argv) == ExitStatus.NO_RESTART
     assert "checkpoint 2 is at step 2, but --phase1_end_step is 7" in capsys.readouterr().err
 
 
@@ -835,7 +838,8 @@ def test_bad_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, capsys, pr
     else:
         torch.save([1, 2, 3], weights)
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
-    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=weights)) == 1
+    status = rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=weights))
+    assert status == ExitStatus.NO_RESTART
     err = capsys.readouterr().err.strip().splitlines()
     expected = {"corrupt": "cannot read",
                 "other_config": "does not fit the model config (hidden 128, 2 layers, padded vocab 30528): the "
@@ -927,7 +931,8 @@ def test_text_file_as_init_checkpoint_is_one_error_line(tmp_path, tiny_shards, c
     notes = tmp_path / "notes.txt"
     notes.write_text("abc: the weights are in the other directory\n")  # 'a': IndexError in torch's unpickler
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
-    assert rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=notes)) == 1
+    status = rp.cli(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config, init_checkpoint=notes))
+    assert status == ExitStatus.NO_RESTART
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --init_checkpoint {notes}: cannot read {notes} as weights; it should be a checkpoint tag "
                    "directory (holding mp_rank_00_model_states.pt) or a state-dict file written by torch.save (ours, "

@@ -420,11 +420,12 @@ def test_resume_step_is_checked_before_deepspeed_loads(tmp_path, shards, capsys)
     other["intermediate_size"] = 256
     (tmp_path / "other.json").write_text(json.dumps(other))
     cases = [(2, tmp_path / "other.json", f"error: checkpoint {out / '2'} is from another model config "
-                                          "(intermediate_size: checkpoint 512 vs run 256)"),
-             (7, helpers.TINY_MODEL_CONFIG, f"error: --resume_step 7: {out} holds no checkpoint 7 [no restart]")]
-    for step, model_config, expected in cases:
+                                          "(intermediate_size: checkpoint 512 vs run 256)", ExitStatus.FAILED),
+             (7, helpers.TINY_MODEL_CONFIG, f"error: --resume_step 7: {out} holds no checkpoint 7 [no restart]",
+              ExitStatus.NO_RESTART)]
+    for step, model_config, expected, status in cases:
         argv = driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=model_config, resume_step=step)
-        assert run_pretraining.cli([str(arg) for arg in argv]) == 1
+        assert run_pretraining.cli([str(arg) for arg in argv]) == status
         err = capsys.readouterr().err
         assert [line for line in err.splitlines() if line.startswith("error:")] == [expected]
         assert "Traceback" not in err

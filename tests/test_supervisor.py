@@ -20,10 +20,10 @@ import pytest
 
 import helpers
 from common.errors import NO_RESTART_MARK
-from training.run_status import ExitStatus
 from test_multihost import SCRIPT_32X, launcher_env, make_job, wait_for
 from test_resume import last_shard_of_first_epoch
 from training import run_status, supervisor
+from training.run_status import ExitStatus
 
 
 def ds_config(tmp_path, micro=4, total=24):
@@ -151,7 +151,8 @@ STUB_RUNNER = textwrap.dedent("""\
     if step in ("bad_input", "host_input"):
         end(ExitStatus.FAILED, lost_peer)
         if step == "bad_input":
-            say("10.0.0.2: error: rank 1 on n2: --steps_this_run must be -1 (no limit) or at least 1, got 0 [no restart]")
+            say("10.0.0.2: error: rank 1 on n2: --steps_this_run must be -1 (no limit) or at least 1, got 0 "
+                "[no restart]")
             sys.exit(ExitStatus.NO_RESTART)
         say("10.0.0.2: error: rank 1 on n2: --input_dir /data does not exist or is not a directory")
         sys.exit(ExitStatus.FAILED)
@@ -396,9 +397,9 @@ def test_the_decisions_rest_on_exit_statuses_not_on_the_wording_of_any_message(t
     made = {}
     for name, (plan, checks, _) in DECISIONS.items():
         status, attempts, events = run_supervisor(tmp_path / name.replace(" ", "_"), plan, checks, reword=reword)
-        made[name] = (status, [hosts for hosts, _ in attempts],
-                      [(event["event"], event["exit_status"], event.get("resume_from_checkpoint", event.get("checkpoint")))
-                       for event in events])
+        made[name] = (status, [hosts for hosts, _ in attempts], [
+            (event["event"], event["exit_status"], event.get("resume_from_checkpoint", event.get("checkpoint")))
+            for event in events])
     assert made == {name: decisions for name, (_, _, decisions) in DECISIONS.items()}
 
 

@@ -709,8 +709,9 @@ def write_whole_lines() -> None:
     """Every line this process prints leaves it in one write. The deepspeed launcher runs its ranks unbuffered
     (`python -u`), where print() writes a text and its newline apart; the ranks and the launcher share one
     pipe, so another process's output could land inside a line and cut it (the error line a user reads, the
-    lines the launch scripts filter). Line buffering still sends each line at its newline. Only the process's own streams (sys.__stdout__,
-    sys.__stderr__): an object a caller has put in their place (pytest's capture) keeps its settings."""
+    lines the launch scripts filter). Line buffering still sends each line at its newline. Only the process's
+    own streams (sys.__stdout__, sys.__stderr__): an object a caller has put in their place (pytest's capture)
+    keeps its settings."""
     for stream in (sys.__stdout__, sys.__stderr__):
         if stream is not None:  # None: a process started without them
             stream.reconfigure(line_buffering=True, write_through=False)
