@@ -582,6 +582,7 @@ def test_the_real_driver_reworded_gets_the_same_decisions(tmp_path, tiny_shards,
     monkeypatch.chdir(helpers.REPO_ROOT)
     config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False, micro=4, world=2)
     json_summary = tmp_path / "results" / "dllogger.json"
+    json_summary.parent.mkdir()  # as the launchers make it
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     argv = helpers.driver_argv(tiny_shards, tmp_path / "checkpoints", config, json_summary=json_summary, max_steps=2,
