@@ -706,7 +706,7 @@ def agree_on_skipped_shards(run: Run, state: TrainState, result: StepResult, bat
 def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
     say, every, clock = run.say, run.checkpoint_every, run.clock
-    progress = make_progress_bar(state, run.max_steps, run.progress_bar)
+    progress = runtime.progress_bar(run.progress_bar, run.max_steps, state.global_step, "steps", run.log_freq)
     window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
     window.local_losses = list(state.open_window.get("local_losses", []))
     window.all_rank_losses = list(state.open_window.get("all_rank_losses", []))
@@ -753,11 +753,6 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
         save(run, state, window)
     return {**final, "ended": ended, "steps_done": steps_done,
             "stopped_by_signal": bool(steps_done and result.stop_requested)}
-
-
-def make_progress_bar(state: TrainState, max_steps: int, show: bool):
-    from tqdm import tqdm
-    return tqdm(total=max_steps, initial=state.global_step, desc="steps", disable=not show, dynamic_ncols=True)
 
 
 # ============================================================================ main

@@ -487,7 +487,7 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
         step = resume(session, engine, model.config, setup) if flags.resume else 0
         session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                     + (f", resumed at step {step}" if step else ""))
-        progress = make_progress_bar(session.progress_bar, total_steps, step)
+        progress = runtime.progress_bar(session.progress_bar, total_steps, step, "fine-tuning steps", flags.log_freq)
         first_step, losses, stopped = step, [], False
         with runtime.stop_requests() as stop_event:
             while step < total_steps and not stopped:
@@ -533,11 +533,6 @@ def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, st
 
 def to_device(features: dict, rows, device) -> dict:
     return {name: tensor[rows].to(device) for name, tensor in features.items()}
-
-
-def make_progress_bar(show: bool, total: int, initial: int):
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, desc="fine-tuning steps", dynamic_ncols=True, disable=not show)
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -631,12 +626,14 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
     num_examples = len(next(iter(features.values())))
     mine = []
     starts = range(session.rank * batch_size, num_examples, session.world * batch_size)
-    from tqdm import tqdm
-    for start in tqdm(starts, desc="predicting", disable=not session.progress_bar):
+    progress = runtime.progress_bar(session.progress_bar, len(starts), 0, "predicting", max(1, len(starts) // 10))
+    for start in starts:
         rows = torch.arange(start, min(start + batch_size, num_examples))
         outputs = forward_fn(model, to_device(features, rows, session.device))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         mine.append((start, tuple(output.float().cpu() for output in outputs)))
+        progress.update(1)
+    progress.close()
     model.train(was_training)
     gathered = [None] * session.world
     dist.all_gather_object(gathered, mine)

@@ -318,6 +318,8 @@ def main(argv=None) -> int:
     export.add_argument("--do_lower_case", action="store_true", help="the vocab is uncased")
     export.add_argument("--output_dir", required=True, help="new directory to write")
     args = parser.parse_args(argv)
+    from training import checkpointing
+    checkpointing.read_on_the_cpu()
     try:
         config, weights = read_pretrained_weights(args.checkpoint, args.config_file, flag="--checkpoint")
         loadable = export_directory(weights, config, args.vocab_file, args.do_lower_case, args.output_dir)

@@ -55,18 +55,22 @@ phase_args() {
     PHASE_ARGS+=(--json-summary="$JSON_SUMMARY")
 }
 
+# The deepspeed runner's options of every launch (the demo's too): no INFO lines. They were about ten, among them
+# the runner's and its per-node launcher's commands and each rank's command line (over 1,000 characters each),
+# which the launcher prints once itself, and on a CPU run 'Setting CUDA_VISIBLE_DEVICES=0,1', which says nothing
+# true. Warnings and errors still show.
+LAUNCHER_ARGS=(--log_level=warning)
+
 # HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
 # found the device here, the ranks' environment in RANK_ENV (hpu_environment), and the devices the ranks get
 # in RESOURCE_ARGS (resource_args). CPU ranks take DeepSpeed's CPU accelerator and one thread each unless told
-# otherwise. LAUNCHER_ARGS: on a CPU run the deepspeed launcher's INFO lines (among them 'Setting CUDA_VISIBLE_DEVICES=0,1') say nothing true; its warnings and
-# errors (a rank's exit code) still show.
+# otherwise.
 device_args() {
     RANK_ENV=()
-    LAUNCHER_ARGS=()
     case "${HL_DEVICE:-hpu}" in
         hpu) DEVICE_ARGS=(--use_hpu); hpu_environment ;;
         cuda) DEVICE_ARGS=() ;;
-        cpu) DEVICE_ARGS=(--no_cuda); LAUNCHER_ARGS=(--log_level=warning)
+        cpu) DEVICE_ARGS=(--no_cuda)
              export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" ;;
         *) die "HL_DEVICE must be hpu, cuda or cpu, not '${HL_DEVICE}'" ;;
     esac
@@ -317,24 +321,52 @@ launch_ranks() {
 #   status is non-zero (the runner's, 143 when the signal killed it).
 # The trap stays armed until the runner ends: a signal that arrives while the ranks start is acted on like
 # the first one.
+# The runner runs in a session of its own (setsid), as the supervisor's attempts do: a Ctrl-C at the terminal
+# (SIGINT to the whole foreground process group) or any signal to this script's process group reaches this
+# script alone, and takes the path above. Shared with the runner, it reached deepspeed.launcher.launch too,
+# which killed the ranks (SIGKILL after 30 s, cutting a long save) and exited 1. A hangup (the terminal closed)
+# is passed on to the runner's session, which it ended before as it ended this script; a SIGKILL to this
+# script's process group does not reach the ranks (`kill -KILL -- -PGID` of the runner's PID does).
+# The runner's stdout passes through runner_output_filter.
 run_forwarding_signals() {
+    local filter status=0
+    # The filter ignores SIGINT and SIGTERM (a Ctrl-C reaches it too): it ends when the job's output does.
+    exec {filter}> >(trap '' INT TERM; runner_output_filter)
+    FILTER_PID=$!
     trap forward_stop_request TERM INT
-    "$@" &
+    trap 'kill -HUP -- "-${RUNNER_PID:-}" 2> /dev/null; exit 129' HUP
+    setsid "$@" >&"$filter" &
     RUNNER_PID=$!
-    local status=0
+    exec {filter}>&-  # the runner holds the pipe now: the filter's input ends with the job
     wait "$RUNNER_PID" || status=$?
     while kill -0 "$RUNNER_PID" 2> /dev/null; do  # wait returns early when the trap fires
         status=0
         wait "$RUNNER_PID" || status=$?
     done
-    trap - TERM INT
+    trap - TERM INT HUP
+    wait "$FILTER_PID" || true  # its last lines come before anything this script prints next
     return "$status"
+}
+
+# The runner's output with the line in which deepspeed.launcher.launch reports a rank's non-zero exit (its
+# sigkill_handler: `[ERROR] [launch.py:259:sigkill_handler] [<the rank's whole command line>] exits with
+# return code = N`, about 900 characters) taken out, so that the user's last line is ours. A rank that exited
+# with status 1 or 2 has said why itself (our `error:` line, a traceback, argparse's usage line); any other
+# status, a signal's among them (-9: SIGKILL, as the kernel's out-of-memory killer sends it), becomes one short
+# `error:` line on stderr. Line by line, unbuffered; bytes pass as they are (LC_ALL=C).
+runner_output_filter() {
+    LC_ALL=C sed -u -E \
+        -e '/\[launch\.py:[0-9]+:sigkill_handler\] .* exits with return code = -?[0-9]+$/!b' \
+        -e '/ = [12]$/d' \
+        -e "s/.* = -([0-9]+)\$/error: a rank was killed by signal \\1 (DeepSpeed's launcher)/" \
+        -e "s/.* = ([0-9]+)\$/error: a rank exited with status \\1 (DeepSpeed's launcher)/" \
+        -e 'w /dev/stderr' -e d
 }
 
 forward_stop_request() {
     # No `return` in here: in a trap handler it returns the interrupted `wait`'s status, and set -e exits.
     local runner="${RUNNER_PID:-$!}" launch_pid ranks=()
-    [[ -n "$runner" ]] || die "stopped by a signal before the launch"
+    [[ -n "$runner" && "$runner" != "${FILTER_PID:-}" ]] || die "stopped by a signal before the launch"
     if (( NUM_NODES > 1 )); then
         if (( $(signal_ranks_on_every_host) == 0 )); then
             kill -TERM "$runner" 2> /dev/null || true

@@ -23,7 +23,7 @@ cd "$repo_root"
 source scripts/setup_venv.sh
 phase_requested="${PHASE:-1}"
 # shellcheck source=scripts/launch_common.sh
-source scripts/launch_common.sh  # run_forwarding_signals; it sets PHASE=1, which the demo takes from the environment
+source scripts/launch_common.sh  # LAUNCHER_ARGS, run_forwarding_signals; it sets PHASE=1, which the demo takes from the environment
 NUM_NODES=1
 
 RESULTS_DIR="${RESULTS_DIR:-$repo_root/results/bert_tiny}"
@@ -86,7 +86,7 @@ echo "== training phase $PHASE: 2 CPU ranks, ZeRO-1, bf16, LANS, $MAX_STEPS step
 # Unbuffered output: each rank writes its lines as they come, so two ranks sharing the terminal cannot cut
 # into the middle of each other's buffered blocks (as "python -u" does in the launchers).
 export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
-command=(deepspeed --num_gpus 2 --no_local_rank --master_port "${MASTER_PORT:-29500}" run_pretraining.py
+command=(deepspeed "${LAUNCHER_ARGS[@]}" --num_gpus 2 --no_local_rank --master_port "${MASTER_PORT:-29500}" run_pretraining.py
          --no_cuda --disable_progress_bar --optimizer lans --use_lr_scheduler
          --config_file scripts/bert_tiny_config.json --deepspeed --deepspeed_config "$ds_config"
          --input_dir "$DATA_DIR" --output_dir "$CHECKPOINTS_DIR" --json-summary "$JSON_SUMMARY"

@@ -4,14 +4,18 @@ Used by the driver's and the checkpoint worker's tests. Nothing here touches the
 outside the directories passed in.
 """
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from data.shard_format import write_shard
 from training.runtime import free_port  # also for the tests that start processes
@@ -143,12 +147,69 @@ def checkout_env(env=None) -> dict:
     return {**(os.environ if env is None else env), "PYTHONPATH": str(REPO_ROOT)}
 
 
+def kill_job(process: subprocess.Popen) -> None:
+    """SIGKILL to a process started with start_new_session=True, its process group and every process under it:
+    the launchers start the deepspeed runner in a session of its own (scripts/launch_common.sh,
+    run_forwarding_signals), which a SIGKILL to the launcher's process group does not reach."""
+    try:
+        tree = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
 def launcher_env(**extra) -> dict:
     env = checkout_env(environ_without_rank())
     env.update(PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
                DS_ACCELERATOR="cpu")
     env.update(extra)
     return env
+
+
+def start_launch_ranks(program: str, results_dir, **env) -> subprocess.Popen:
+    """scripts/launch_common.sh's launch_ranks as the launchers run it (set -euo pipefail, the real deepspeed
+    runner, HL_DEVICE=cpu, 2 ranks), with `python -u -c program` as the ranks' program; in a session of its own,
+    stdout and stderr together in one pipe."""
+    environment = dict(launcher_env(), HL_DEVICE="cpu", NUM_NODES="1", NGPU_PER_NODE="2", HL_NGPU_PER_NODE="2",
+                       RESULTS_DIR=str(results_dir), HL_MASTER_PORT=str(free_port()), **env)
+    script = ('set -euo pipefail; source scripts/launch_common.sh; device_args; find_launcher_and_python; '
+              'rendezvous_args; launch_ranks -c "$0"')
+    return subprocess.Popen(["bash", "-c", script, program], cwd=REPO_ROOT, env=environment, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_launch_ranks(program: str, results_dir, once_up=None, timeout: float = 120) -> tuple:
+    """start_launch_ranks(program) to its end, where each rank of `program` writes the line `rank up` first:
+    (status, output lines, the processes under the launcher when both ranks were up that are still alive 60 s
+    after it ended). once_up(process), if given, is called once both lines have come out. A launch still going
+    after `timeout` s is killed, with those processes."""
+    process, tree = start_launch_ranks(program, results_dir), []
+
+    def end():
+        kill_job(process)
+        for child in tree:  # those a launcher that died first left behind
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+    guard = threading.Timer(timeout, end)
+    guard.start()
+    try:
+        lines = []
+        for line in process.stdout:  # read through the same object to the end: nothing read ahead is lost
+            lines.append(line.rstrip("\n"))
+            if lines.count("rank up") == 2 and not tree:
+                tree = psutil.Process(process.pid).children(recursive=True)
+                if once_up:
+                    once_up(process)
+        status = process.wait()
+        return status, lines, psutil.wait_procs(tree, timeout=60)[1]
+    finally:
+        guard.cancel()
+        end()
 
 
 def launch(argv, num_ranks=2, timeout=300, env=None, script="run_pretraining.py", retry=True):

@@ -2,7 +2,6 @@
 committed sample corpus, then 2 CPU ranks through the real `deepspeed` launcher (ZeRO-1, bf16, LANS).
 The demo is deterministic on a given CPU, so its losses must be the ones recorded in tests/data/demo_losses.json
 for the CPU's bf16 kernels (kernel_fingerprint), which docs/results.md shows."""
-import contextlib
 import json
 import math
 import os
@@ -217,18 +216,17 @@ def run_demo(tmp_path, **settings) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(process.args, status, output)
 
 
-def sigterm_demo_once_training(tmp_path, **settings) -> subprocess.CompletedProcess:
-    """run_demo's command, SIGTERM to the script itself at its first logged training window; its status and
-    output (stdout and stderr together)."""
+def stop_demo_once_training(tmp_path, stop, **settings) -> subprocess.CompletedProcess:
+    """run_demo's command, stopped with stop(process) at its first logged training window; its status and output
+    (stdout and stderr together)."""
     process = start_demo(tmp_path, **settings)
     try:
         output = output_until(process, lambda text: "Training Iteration" in text)
-        process.send_signal(signal.SIGTERM)
+        stop(process)
         status, rest = finish(process)
         return subprocess.CompletedProcess(process.args, status, output + rest)
     finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever is left if an assertion failed
-            os.killpg(process.pid, signal.SIGKILL)
+        helpers.kill_job(process)  # whatever is left if an assertion failed
 
 
 def tensorboard_scalars(directory, tag) -> list:
@@ -313,10 +311,23 @@ def test_tiny_cpu_demo_builds_data_trains_and_checkpoints(tmp_path):
     # SIGTERM to the demo's script alone (as a scheduler sends it) once phase 1 trains again: the ranks save
     # a checkpoint and exit STOPPED, and the demo still prints its summary, then exits STOPPED too. Formerly
     # the script died at once (143) and left its ranks running, with nothing saved.
-    stopped = sigterm_demo_once_training(tmp_path, MAX_STEPS="1000")
+    stopped = stop_demo_once_training(tmp_path, lambda process: process.send_signal(signal.SIGTERM), MAX_STEPS="1000")
     assert stopped.returncode == ExitStatus.STOPPED, stopped.stdout[-3000:]
     summary = [r["data"] for r in helpers.read_dllogger(results / "dllogger.json")
                if r["type"] == "LOG" and r["step"] == []][-1]
     assert summary["stopped_by_signal"] is True and 140 <= summary["global_step"] < 1000
     assert (results / "checkpoints" / "latest").read_text().strip() == str(summary["global_step"])
     assert "== summary" in stopped.stdout
+
+    # Ctrl-C at a terminal: SIGINT to the demo's whole process group, once it trains again. The same clean stop.
+    # Formerly DeepSpeed's per-node launcher, in that group too, took the SIGINT itself: it terminated the ranks
+    # and exited 1, and the demo printed no summary.
+    interrupted = stop_demo_once_training(tmp_path, lambda process: os.killpg(process.pid, signal.SIGINT),
+                                          MAX_STEPS="1000")
+    assert interrupted.returncode == ExitStatus.STOPPED, interrupted.stdout[-3000:]
+    step_before = summary["global_step"]
+    summary = [r["data"] for r in helpers.read_dllogger(results / "dllogger.json")
+               if r["type"] == "LOG" and r["step"] == []][-1]
+    assert summary["stopped_by_signal"] is True and step_before < summary["global_step"] < 1000
+    assert (results / "checkpoints" / "latest").read_text().strip() == str(summary["global_step"])
+    assert "== summary" in interrupted.stdout

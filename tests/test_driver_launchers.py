@@ -5,7 +5,6 @@ A stub `deepspeed` first on PATH records the command line instead of launching a
 STUB_TREE set it imitates DeepSpeed's process tree instead (see STUB_TREE_SCRIPT).
 """
 
-import contextlib
 import os
 import re
 import shlex
@@ -83,8 +82,7 @@ def sigterm_once_started(script, env, tmp_path, tree) -> int:
         process.send_signal(signal.SIGTERM)
         return process.wait(timeout=60)
     finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever the stub tree left behind
-            os.killpg(process.pid, signal.SIGKILL)
+        helpers.kill_job(process)  # whatever the stub tree left behind
 
 
 def test_sigterm_before_the_ranks_exist_stops_the_runner(stub_launcher):
@@ -115,6 +113,43 @@ def test_sigterm_on_several_nodes_without_ranks_yet_goes_to_the_runner_only(stub
     pdsh_args = (tmp_path / "pdsh_args").read_text().splitlines()
     assert pdsh_args[pdsh_args.index("-w") + 1] == "10.10.100.101,10.10.100.102,10.10.100.103,10.10.100.104"
     assert pdsh_args[-4:] == [str(SCRIPTS / "signal_ranks.sh"), "10.10.100.101", "29500", "TERM"]
+
+
+# For helpers.run_launch_ranks: a rank that stops as the driver does on SIGTERM or SIGINT (it would save a
+# checkpoint), after a line that names the signal; each line one write(2), whole in the shared pipe.
+STOPPING_RANK = """
+import os, signal, sys, time
+def stop(signum, frame):
+    os.write(1, f"rank {os.environ['RANK']} stops on {signal.Signals(signum).name}\\n".encode())
+    sys.exit(0)
+for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, stop)
+os.write(1, b"rank up\\n")
+time.sleep(300)
+"""
+
+
+def test_ctrl_c_at_a_terminal_stops_the_ranks_as_sigint_to_the_launcher_alone_does(tmp_path):
+    """A terminal's Ctrl-C is SIGINT to the whole foreground process group: the launcher, and, before the runner
+    had a session of its own, the deepspeed runner, its per-node launcher and the ranks. Now the launcher alone
+    gets it and passes one SIGTERM to each rank, which stops cleanly; the launcher exits 0. Formerly the per-node
+    launcher (deepspeed.launcher.launch) terminated the ranks itself and exited 1: the launcher exited 1."""
+    status, lines, alive = helpers.run_launch_ranks(STOPPING_RANK, tmp_path,
+                                                    lambda process: os.killpg(process.pid, signal.SIGINT))
+    assert status == 0, lines
+    assert sorted(line for line in lines if line.startswith("rank ") and " stops on " in line) == [
+        "rank 0 stops on SIGTERM", "rank 1 stops on SIGTERM"], lines
+    assert alive == []
+
+
+def test_a_hangup_ends_the_runner_and_the_ranks(tmp_path):
+    """The terminal closed: SIGHUP to the launcher's process group, which the ranks' session does not share. The
+    launcher passes it on to that session, so that the runner and the ranks end, as they did when the terminal's
+    hangup reached them directly."""
+    status, lines, alive = helpers.run_launch_ranks(STOPPING_RANK, tmp_path,
+                                                    lambda process: os.killpg(process.pid, signal.SIGHUP))
+    assert status == 128 + signal.SIGHUP, lines
+    assert alive == [], lines
 
 
 def launch(script, env):

@@ -203,16 +203,17 @@ def ranks_of(process: subprocess.Popen) -> list:
 
 
 def stop_hung(process: subprocess.Popen) -> str:
-    """Ends a run that hangs, SIGKILL to its process group, after each rank has printed its threads' stacks
-    into the output (the wrapper below registers SIGUSR1 for faulthandler): a hang is rare and unreadable
-    after the fact. One rank after the other: dumps written at the same time into the shared pipe
-    interleave character by character. Returns the ranks in the order of their dumps, for the message."""
+    """Ends a run that hangs, SIGKILL to its process group and its processes (helpers.kill_job), after each rank
+    has printed its threads' stacks into the output (the wrapper below registers SIGUSR1 for faulthandler): a
+    hang is rare and unreadable after the fact. One rank after the other: dumps written at the same time into
+    the shared pipe interleave character by character. Returns the ranks in the order of their dumps, for the
+    message."""
     ranks = ranks_of(process)
     for _, rank in ranks:
         with contextlib.suppress(psutil.Error):
             rank.send_signal(signal.SIGUSR1)
         time.sleep(2)
-    os.killpg(process.pid, signal.SIGKILL)
+    helpers.kill_job(process)
     return ", ".join(f"rank {number} (pid {rank.pid})" for number, rank in ranks) or "no rank found"
 
 
@@ -224,15 +225,14 @@ def hang_failure(what: str, timeout: float, order: str, output: str):
 def finish(process: subprocess.Popen, timeout=300) -> tuple[int, str]:
     """The run's status and the rest of its output, once it has ended. One still running after `timeout` s
     fails the test with its ranks' stacks; one interrupted otherwise (pytest-timeout's failure, Ctrl-C) is
-    killed with its process group, so that no rank outlives the test."""
+    killed with its processes (helpers.kill_job), so that no rank outlives the test."""
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         order = stop_hung(process)
         hang_failure("finish", timeout, order, process.communicate()[0])
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        helpers.kill_job(process)
         raise
     return process.returncode, output
 

@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import pickle
 import random
 import re
@@ -896,6 +897,13 @@ def _fill_fragments(part, offsets: list, pieces: list, flat: torch.Tensor) -> No
                          flat.narrow(0, fragment.partition_start, fragment.numel))
 
 
+def read_on_the_cpu() -> None:
+    """For a process that only reads checkpoints (the exports; call it before DeepSpeed's first import): DeepSpeed,
+    imported for the classes its files name (_deepspeed_checkpoint_classes), takes the CPU accelerator, with no
+    'Setting accelerator to CPU' warning where none was chosen. A DS_ACCELERATOR already set is kept."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def export_main(argv=None) -> int:
     """`python -m training.checkpointing export --output_dir D [--tag T] --out model.pt`: one clear error
     line and exit status 1 on failure."""
@@ -908,6 +916,7 @@ def export_main(argv=None) -> int:
     export.add_argument("--s3_endpoint_url", default=None, help="S3-compatible endpoint for an s3:// "
                         "--output_dir (default: AWS_ENDPOINT_URL, else AWS)")
     args = parser.parse_args(argv)
+    read_on_the_cpu()
     try:
         if storage.is_s3_url(args.output_dir):
             weights = _export_from_s3(args.output_dir, args.tag, args.s3_endpoint_url)

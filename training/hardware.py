@@ -175,6 +175,10 @@ class PeakAllocated:
     def __enter__(self):
         if self.device.type == "cpu":
             from torch.profiler import ProfilerActivity, profile
+            # Kineto, the profiler's library, prints `USDT: ... profiler_start` and `profiler_stop` (trace markers
+            # for tools) at every start and stop unless its log level, read once per process at its first start,
+            # is above its highest, USDT (5). Its error lines (4) go too; the profiler's exceptions still come.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profiler.__enter__()
         else:
