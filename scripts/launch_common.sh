@@ -55,10 +55,9 @@ phase_args() {
     PHASE_ARGS+=(--json-summary="$JSON_SUMMARY")
 }
 
-# The deepspeed runner's options of every launch (the demo's too): no INFO lines. They were about ten, among them
-# the runner's and its per-node launcher's commands and each rank's command line (over 1,000 characters each),
-# which the launcher prints once itself, and on a CPU run 'Setting CUDA_VISIBLE_DEVICES=0,1', which says nothing
-# true. Warnings and errors still show.
+# The deepspeed runner's options of every launch (the demo's too): no INFO lines. Among them were the runner's
+# command and each rank's, every one with the rank's whole command line, which the launcher prints once itself,
+# and on a CPU run 'Setting CUDA_VISIBLE_DEVICES=0,1', which says nothing true. Warnings and errors still show.
 LAUNCHER_ARGS=(--log_level=warning)
 
 # HL_DEVICE (hpu, the default, | cuda | cpu) as the entry points' flags, in DEVICE_ARGS, once check_devices
@@ -350,7 +349,7 @@ run_forwarding_signals() {
 
 # The runner's output with the line in which deepspeed.launcher.launch reports a rank's non-zero exit (its
 # sigkill_handler: `[ERROR] [launch.py:259:sigkill_handler] [<the rank's whole command line>] exits with
-# return code = N`, about 900 characters) taken out, so that the user's last line is ours. A rank that exited
+# return code = N`) taken out, so that the user's last line is ours. A rank that exited
 # with status 1 or 2 has said why itself (our `error:` line, a traceback, argparse's usage line); any other
 # status, a signal's among them (-9: SIGKILL, as the kernel's out-of-memory killer sends it), becomes one short
 # `error:` line on stderr. Line by line, unbuffered; bytes pass as they are (LC_ALL=C).

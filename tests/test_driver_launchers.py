@@ -178,11 +178,12 @@ def test_launchers_pass_the_reference_arguments(stub_launcher, script, nodes, ma
         assert launcher[:2] == ["--num_nodes", nodes]
         assert launcher[-4:] == ["--num_gpus", "8", "--no_local_rank", "--no_python"]
         assert launcher[2] == "--hostfile" and launcher[4:8] == ["--master_addr", hosts[0], "--master_port", "29500"]
+        assert launcher[8] == "--log_level=warning"  # no INFO lines, on every device (launch_common.sh)
         assert "supervisor: restart" not in result.stdout
         assert result.stdout.splitlines()[0].startswith("deepspeed --num_nodes")
     else:
-        assert launcher == ["--num_nodes", "1", "--num_gpus", "8", "--no_local_rank", "--no_python",
-                            "--master_port", "29500"]
+        assert launcher == ["--log_level=warning", "--num_nodes", "1", "--num_gpus", "8", "--no_local_rank",
+                            "--no_python", "--master_port", "29500"]
     assert program[1:3] == ["-u", "./run_pretraining.py"]
     for expected in ("--use_hpu", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
                      "--seed=12439", "--max_predictions_per_seq=20",

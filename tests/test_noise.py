@@ -62,10 +62,10 @@ def failing_launch(tmp_path, failure: str) -> tuple:
 
 
 def test_a_failing_launch_ends_with_the_ranks_error_line_and_shows_no_runner_info_line(tmp_path):
-    """The user's last line is the rank's own error line. DeepSpeed's per-node launcher followed it with an
-    ~900-character line, `[ERROR] [launch.py:259:sigkill_handler] [<the rank's command line>] exits with return
-    code = 1` (scripts/launch_common.sh, runner_output_filter, takes it out). And none of the runner's INFO lines
-    shows (their commands, each over 1,000 characters; on a CPU 'Setting CUDA_VISIBLE_DEVICES=0,1')."""
+    """The user's last line is the rank's own error line. DeepSpeed's per-node launcher followed it with
+    `[ERROR] [launch.py:259:sigkill_handler] [<the rank's whole command line>] exits with return code = 1`
+    (scripts/launch_common.sh, runner_output_filter, takes it out). And none of the runner's INFO lines shows
+    (its commands, each with the rank's whole command line; on a CPU 'Setting CUDA_VISIBLE_DEVICES=0,1')."""
     status, lines = failing_launch(tmp_path, SAYS_WHY)
     assert status == 1 and lines.count("rank up") == 2, lines
     assert lines[-1] == "error: the reason, in our words", lines
