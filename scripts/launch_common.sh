@@ -349,14 +349,14 @@ run_forwarding_signals() {
 
 # The runner's output with the line in which deepspeed.launcher.launch reports a rank's non-zero exit (its
 # sigkill_handler: `[ERROR] [launch.py:259:sigkill_handler] [<the rank's whole command line>] exits with
-# return code = N`) taken out, so that the user's last line is ours. A rank that exited
-# with status 1 or 2 has said why itself (our `error:` line, a traceback, argparse's usage line); any other
+# return code = N`) taken out, so that the user's last line is ours. A rank that exited with status 1, 2 or 3
+# (training/run_status.py) has said why itself (our `error:` or stop line, a traceback, argparse's usage); any other
 # status, a signal's among them (-9: SIGKILL, as the kernel's out-of-memory killer sends it), becomes one short
 # `error:` line on stderr. Line by line, unbuffered; bytes pass as they are (LC_ALL=C).
 runner_output_filter() {
     LC_ALL=C sed -u -E \
         -e '/\[launch\.py:[0-9]+:sigkill_handler\] .* exits with return code = -?[0-9]+$/!b' \
-        -e '/ = [12]$/d' \
+        -e '/ = [123]$/d' \
         -e "s/.* = -([0-9]+)\$/error: a rank was killed by signal \\1 (DeepSpeed's launcher)/" \
         -e "s/.* = ([0-9]+)\$/error: a rank exited with status \\1 (DeepSpeed's launcher)/" \
         -e 'w /dev/stderr' -e d

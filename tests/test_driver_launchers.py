@@ -15,6 +15,7 @@ import time
 import pytest
 
 import helpers
+from training.run_status import ExitStatus
 
 SCRIPTS = helpers.REPO_ROOT / "scripts"
 
@@ -116,12 +117,12 @@ def test_sigterm_on_several_nodes_without_ranks_yet_goes_to_the_runner_only(stub
 
 
 # For helpers.run_launch_ranks: a rank that stops as the driver does on SIGTERM or SIGINT (it would save a
-# checkpoint), after a line that names the signal; each line one write(2), whole in the shared pipe.
-STOPPING_RANK = """
+# checkpoint, then exit STOPPED), after a line that names the signal; each line one write(2), whole in the pipe.
+STOPPING_RANK = f"""
 import os, signal, sys, time
 def stop(signum, frame):
-    os.write(1, f"rank {os.environ['RANK']} stops on {signal.Signals(signum).name}\\n".encode())
-    sys.exit(0)
+    os.write(1, f"rank {{os.environ['RANK']}} stops on {{signal.Signals(signum).name}}\\n".encode())
+    sys.exit({int(ExitStatus.STOPPED)})
 for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, stop)
 os.write(1, b"rank up\\n")
@@ -132,11 +133,11 @@ time.sleep(300)
 def test_ctrl_c_at_a_terminal_stops_the_ranks_as_sigint_to_the_launcher_alone_does(tmp_path):
     """A terminal's Ctrl-C is SIGINT to the whole foreground process group: the launcher, and, before the runner
     had a session of its own, the deepspeed runner, its per-node launcher and the ranks. Now the launcher alone
-    gets it and passes one SIGTERM to each rank, which stops cleanly; the launcher exits 0. Formerly the per-node
-    launcher (deepspeed.launcher.launch) terminated the ranks itself and exited 1: the launcher exited 1."""
+    gets it and passes one SIGTERM to each rank, which stops cleanly; the launcher exits STOPPED, the ranks' status.
+    Formerly the per-node launcher (deepspeed.launcher.launch) terminated the ranks itself and exited 1."""
     status, lines, alive = helpers.run_launch_ranks(STOPPING_RANK, tmp_path,
                                                     lambda process: os.killpg(process.pid, signal.SIGINT))
-    assert status == 0, lines
+    assert status == ExitStatus.STOPPED, lines
     assert sorted(line for line in lines if line.startswith("rank ") and " stops on " in line) == [
         "rank 0 stops on SIGTERM", "rank 1 stops on SIGTERM"], lines
     assert alive == []
