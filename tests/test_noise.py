@@ -93,7 +93,8 @@ def test_the_filter_keeps_every_other_line_and_shortens_each_kind_of_rank_exit()
     exit_line = ("[2026-11-28 19:44:50,123] [ERROR] [launch.py:259:sigkill_handler] ['/venv/bin/python', '-u', "
                  "'./run_pretraining.py', '--max_steps=-1'] exits with return code = {}\n")
     other = "error: ours\nTraining Iteration: 3 exits with return code = 1\n"
-    for status, shown in (("1", ""), ("2", ""), ("3", ""), ("4", "error: a rank exited with status 4 (DeepSpeed's launcher)\n"),
+    for status, shown in (("1", ""), ("2", ""), ("3", ""),
+                          ("4", "error: a rank exited with status 4 (DeepSpeed's launcher)\n"),
                           ("-9", "error: a rank was killed by signal 9 (DeepSpeed's launcher)\n")):
         result = runner_output_filter(other + exit_line.format(status) + "partial")
         assert (result.returncode, result.stdout, result.stderr) == (0, other + "partial", shown), status
