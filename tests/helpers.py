@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 
+from data.dataset import SampleStream, scan_shards
 from data.shard_format import write_shard
 from training.runtime import free_port  # also for the tests that start processes
 
@@ -69,6 +71,36 @@ def corrupt_first_chunk(path, key="input_ids"):
     with open(path, "r+b") as raw:
         raw.seek(info.byte_offset)
         raw.write(b"\xff" * info.size)
+
+
+def last_shard_of_first_epoch(data_dir, seed=42) -> Path:
+    """The shard that the driver's sample stream (window size 1) reads last in epoch 0, under `seed`."""
+    shards, _, _ = scan_shards(data_dir)
+    return shards[SampleStream(shards, seed, window_size=1).shard_order(0)[-1]].path
+
+
+@contextlib.contextmanager
+def read_only(directory: Path):
+    """Make `directory` read-only for this process: chmod for ordinary users; root ignores modes,
+    so for root a read-only bind mount of the directory onto itself (needs CAP_SYS_ADMIN)."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [directory, *directory.rglob("*")] if p.is_dir()}
+        for path in modes:
+            path.chmod(0o555)
+        try:
+            yield
+        finally:
+            for path, mode in modes.items():
+                path.chmod(mode)
+        return
+    bind = subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True)
+    if bind.returncode != 0:
+        pytest.skip(f"root without mount permission cannot make a read-only directory: {bind.stderr!r}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
 
 
 def sample_uid(input_ids) -> list:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import init_single_process_group
+from helpers import init_single_process_group, read_only
 from training import checkpointing
 from training.checkpointing import CheckpointError, CheckpointWarning
 
@@ -461,30 +461,6 @@ def test_failure_between_the_commit_renames_keeps_the_previous_checkpoint(two_ch
                                                 lambda name, renames: name in renames and len(renames) == 2)
     assert_previous_intact(two_checkpoints)
     assert commit_renames == [checkpointing.MANIFEST_NAME, checkpointing.LATEST_NAME]
-
-
-@contextlib.contextmanager
-def read_only(directory: Path):
-    """Make `directory` read-only for this process: chmod for ordinary users; root ignores modes,
-    so for root a read-only bind mount of the directory onto itself (needs CAP_SYS_ADMIN)."""
-    if os.geteuid() != 0:
-        modes = {p: p.stat().st_mode for p in [directory, *directory.rglob("*")] if p.is_dir()}
-        for path in modes:
-            path.chmod(0o555)
-        try:
-            yield
-        finally:
-            for path, mode in modes.items():
-                path.chmod(mode)
-        return
-    bind = subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True)
-    if bind.returncode != 0:
-        pytest.skip(f"root without mount permission cannot make a read-only directory: {bind.stderr!r}")
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
-        yield
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
 
 
 def test_read_only_output_dir(two_checkpoints):

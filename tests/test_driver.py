@@ -27,7 +27,7 @@ import helpers
 import run_pretraining as rp
 from common.errors import NO_RESTART_MARK
 from finetune.hf_interop import to_transformers_config
-from modeling import BertPretrainingCriterion
+from modeling import BertConfig, BertForSequenceClassification, BertPretrainingCriterion
 from training import checkpointing, gaudi, runtime
 from training.run_status import ExitStatus
 
@@ -145,6 +145,28 @@ def test_final_metrics_do_not_include_the_final_checkpoint_save(tmp_path, tiny_s
     assert final["average_training_time_step"] < 500
 
 
+def test_export_for_fine_tuning(tmp_path, tiny_shards):
+    """`python -m training.checkpointing export` on a ZeRO-2 bf16 BERT checkpoint (tied decoder weight): the
+    fp32 master weights, equal to DeepSpeed's own zero_to_fp32, load into a fine-tuning model."""
+    _, _, out = run(tmp_path, tiny_shards, stage=2, bf16=True, max_steps=2)
+    result = subprocess.run([sys.executable, "-m", "training.checkpointing", "export", "--output_dir",
+                             str(out), "--out", str(tmp_path / "bert.pt")], capture_output=True, text=True,
+                            env=helpers.launcher_env(), cwd=helpers.REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    weights = torch.load(tmp_path / "bert.pt", weights_only=True)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(out), tag="2")
+    assert weights.keys() >= expected.keys()
+    assert all(torch.equal(weights[k], v.detach()) for k, v in expected.items())
+    model_config = BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG)
+    classifier = BertForSequenceClassification(model_config, num_labels=3)
+    missing, unexpected = classifier.load_state_dict(weights, strict=False)
+    assert missing and all(k.startswith("classifier.") for k in missing)
+    assert unexpected and all(k.startswith("cls.") for k in unexpected)
+    embeddings = classifier.bert.embeddings.word_embeddings.weight
+    assert torch.equal(embeddings.detach(), weights["bert.embeddings.word_embeddings.weight"])
+
+
 # ============================================================================ DeepSpeed traps
 
 def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shards, monkeypatch):
@@ -220,24 +242,8 @@ def test_freed_memory_stays_in_the_process_on_cpu():
     assert faults["default"] > 8 * one_tensor and faults["kept"] < one_tensor, faults
 
 # ============================================================================ resume
-
-def test_resume_continues_at_the_next_sample(tmp_path, tiny_shards):
-    """6 steps in one go == 3 steps, stop, resume, 3 more: same per-step losses (bitwise on CPU, with
-    dropout on, so the RNG states are restored too). 16 samples per step cross the 81-sample epoch."""
-    common = dict(stage=1, bf16=True, micro=8, gas=2, max_steps=6, log_freq=1)
-    run(tmp_path / "whole", tiny_shards, **common)
-    whole = [r["data"]["step_loss"] for r in helpers.step_records(tmp_path / "whole" / "dllogger.json")]
-    first_half, _, output_dir = run(tmp_path / "split", tiny_shards, steps_this_run=3, **common)
-    assert first_half["global_step"] == 3
-    (tmp_path / "split" / "dllogger.json").rename(tmp_path / "split" / "first.json")
-    second_half, json_summary, _ = run(tmp_path / "split", tiny_shards, resume_from_checkpoint=True, **common)
-    assert second_half["global_step"] == 6
-    split = [r["data"]["step_loss"] for name in ("first.json", "dllogger.json")
-             for r in helpers.step_records(tmp_path / "split" / name)]
-    assert split == whole
-    state = torch.load(output_dir / "3" / "mp_rank_00_model_states.pt", weights_only=False)
-    assert state["samples_consumed"] == 3 * 16 and state["epoch"] == 0
-
+# Whether a resume continues the uninterrupted run, and what it refuses: tests/test_resume.py. Here: state of the
+# driver's own features that a checkpoint carries (the log window; the bad-step streak below).
 
 def test_a_resume_inside_a_log_window_logs_the_averages_of_the_whole_run(tmp_path, tiny_shards):
     """--log_freq 4: stopped after step 3 and resumed, the record of step 4 averages steps 1-4, as the whole
@@ -254,46 +260,6 @@ def test_a_resume_inside_a_log_window_logs_the_averages_of_the_whole_run(tmp_pat
         expected = sum(each[step - 4:step]) / 4
         assert logged[step]["average_loss"] == pytest.approx(expected, rel=1e-6), step
         assert logged[step]["all_ranks_average_loss"] == pytest.approx(expected, rel=1e-6), step
-
-
-@pytest.mark.parametrize("changed,field", [({"data_memory_budget_mb": 0.02}, "window_size 313592 then, 24 now"),
-                                           ({"seed": 7}, "seed 42 then, 7 now"),
-                                           ({"disable_random_sampler": True}, "shuffle True then, False now")])
-def test_resume_with_another_data_layout_is_one_error_line(tmp_path, tiny_shards, capsys, changed, field):
-    """The saved position indexes a layout made from the seed, window size, shuffle flag and shards: a resume
-    that changes any of them would repeat and skip samples, so it stops with the field named."""
-    _, _, output_dir = run(tmp_path, tiny_shards, max_steps=3, steps_this_run=1)
-    def resume_argv(**flags):
-        return helpers.driver_argv(tiny_shards, output_dir, tmp_path / "ds.json", max_steps=3,
-                                   json_summary=tmp_path / "dllogger.json", resume_from_checkpoint=True, **flags)
-
-    assert rp.cli(resume_argv(**changed)) == ExitStatus.NO_RESTART
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "another data layout" in errors[0] and field in errors[0], errors
-    assert "resume with the same data and settings" in errors[0]
-    assert rp.main(resume_argv())["global_step"] == 3  # the same settings resume
-
-
-def test_relaunching_a_finished_job_trains_nothing_and_says_so(tmp_path, tiny_shards, capsys):
-    """All launchers pass --resume_from_checkpoint: a relaunch after the last step must not log a loss or a
-    throughput it did not measure."""
-    _, json_summary, output_dir = run(tmp_path, tiny_shards, max_steps=2)
-    json_summary.unlink()
-    capsys.readouterr()
-    argv = helpers.driver_argv(tiny_shards, output_dir, tmp_path / "ds.json", json_summary=json_summary,
-                               max_steps=2, resume_from_checkpoint=True)
-    summary = rp.main(argv)  # not cli(): its exit-time destroy_process_group would spoil later in-process runs
-    assert "final_loss" not in summary and "training_sequences_per_second" not in summary
-    assert "checkpoint 2 is already at --max_steps 2: nothing to train" in capsys.readouterr().out
-    logged = [r["data"] for r in helpers.read_dllogger(json_summary) if r["type"] == "LOG"]
-    assert not any("final_loss" in d or "step_loss" in d or "training_sequences_per_second" in d for d in logged)
-    assert logged[-1]["global_step"] == 2 and logged[-1]["nothing_to_train"] is True
-
-
-def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, tiny_shards, capsys):
-    summary, _, _ = run(tmp_path, tiny_shards, resume_from_checkpoint=True, max_steps=1, skip_checkpoint=True)
-    assert summary["global_step"] == 1
-    assert "no checkpoint in" in capsys.readouterr().out
 
 
 # ============================================================================ non-finite loss, signals
@@ -628,13 +594,12 @@ def test_segment_ids_are_checked_against_the_models_type_vocab_size(tmp_path, ca
 @pytest.mark.parametrize("where", ["output_dir", "json_summary_dir"])
 def test_read_only_output_is_one_error_line_before_any_step(tmp_path, tiny_shards, capsys, where):
     """A read-only --output_dir (or --json-summary's directory) used to fail only at the first checkpoint save."""
-    from test_checkpointing import read_only
     locked = tmp_path / "locked"
     locked.mkdir()
     out, log = ((locked / "out", tmp_path / "log.json") if where == "output_dir"
                 else (tmp_path / "out", locked / "log.json"))
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
-    with read_only(locked):
+    with helpers.read_only(locked):
         assert rp.cli(helpers.driver_argv(tiny_shards, out, ds_config, json_summary=log)) == ExitStatus.NO_RESTART
     flag = "--output_dir" if where == "output_dir" else "--json-summary's directory"
     path = out if where == "output_dir" else locked
@@ -710,15 +675,37 @@ def test_bad_input_from_the_command_line_writes_nothing(tmp_path, tiny_shards):
     assert not (tmp_path / "out").exists() and not (tmp_path / "log.json").exists()
 
 
-def test_corrupt_shard_mid_run_stops_naming_it_or_is_skipped_and_counted(tmp_path, capsys):
-    paths = helpers.write_synthetic_shards(tmp_path / "shards", [16, 16, 16])
-    helpers.corrupt_first_chunk(paths[1])
-    ds_config = helpers.write_ds_config(tmp_path / "ds.json", micro=8)
-    argv = helpers.driver_argv(tmp_path / "shards", tmp_path / "out", ds_config, max_steps=6, skip_checkpoint=True)
-    assert rp.cli(argv) == 1
-    assert re.search(rf"error: {paths[1]}: cannot read samples 0\.\.15", capsys.readouterr().err)
+def test_truncated_shard_is_named_before_training(tmp_path, capsys):
+    """A truncated HDF5 file cannot even be opened: the start-up header scan names it in one error line, before
+    any step and whatever --skip_bad_shards says (it skips shards that fail while training)."""
+    data = tmp_path / "data"
+    bad = helpers.write_synthetic_shards(data, [24, 40, 17])[1]
+    os.truncate(bad, bad.stat().st_size // 2)
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False)
+    assert rp.cli(helpers.driver_argv(data, tmp_path / "out", ds_config, skip_bad_shards=True)) == ExitStatus.FAILED
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.match(rf"error: {re.escape(str(bad))}: cannot read as HDF5 .*truncated", error), error
+    assert not (tmp_path / "out" / "latest").exists()
+
+
+def test_corrupt_shard_met_mid_epoch_stops_naming_it_or_is_skipped_and_counted(tmp_path, capsys):
+    """The last shard of epoch 0 has a header that validates and samples that cannot be read; a window of about
+    12 samples reaches it only after some steps. The run stops there with one error line naming it; with
+    --skip_bad_shards it skips the shard, counts it and trains to the end."""
+    data = tmp_path / "data"
+    helpers.write_synthetic_shards(data, [24, 40, 17])
+    bad = helpers.last_shard_of_first_epoch(data)
+    helpers.corrupt_first_chunk(bad)
+    ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False)
+    argv = helpers.driver_argv(data, tmp_path / "out", ds_config, max_steps=24, log_freq=1, skip_checkpoint=True,
+                               data_memory_budget_mb=0.01)
+    assert rp.cli(argv) == ExitStatus.FAILED
+    out, err = capsys.readouterr()
+    (error,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert re.match(rf"error: {re.escape(str(bad))}: cannot read samples \d+\.\.\d+", error), error
+    assert "Training Iteration: 10 " in out  # the error came mid-epoch
     summary = rp.main(argv + ["--skip_bad_shards"])
-    assert summary["skipped_shards"] == 1 and summary["global_step"] == 6
+    assert summary["skipped_shards"] == 1 and summary["global_step"] == 24
 
 
 @pytest.mark.parametrize("bad", [["--bogus"], ["--max_steps", "abc"], []])

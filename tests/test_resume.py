@@ -31,12 +31,9 @@ import pytest
 import torch
 
 import helpers
-import modeling
 import run_pretraining
 from common.errors import InputError
-from data.dataset import SampleStream, scan_shards
-from data.shard_format import ShardError
-from test_checkpointing import read_only
+from helpers import last_shard_of_first_epoch  # noqa: F401 (tests/test_supervisor.py imports it from here)
 from training import checkpointing
 from training.run_status import ExitStatus
 
@@ -161,9 +158,9 @@ def install_kill(spec: str, rank: int) -> None:
 
 # ============================================================================ running the driver (test side)
 
-def ds_config(tmp_path, stage, bf16, world, micro=MICRO):
-    return helpers.write_ds_config(tmp_path / f"ds_{stage}_{bf16}_{world}_{micro}.json", stage=stage, bf16=bf16,
-                                   micro=micro, world=world, clipping=1.0)
+def ds_config(tmp_path, stage, bf16, world, micro=MICRO, gas=1):
+    return helpers.write_ds_config(tmp_path / f"ds_{stage}_{bf16}_{world}_{micro}_{gas}.json", stage=stage, bf16=bf16,
+                                   micro=micro, gas=gas, world=world, clipping=1.0)
 
 
 def driver_args(data_dir, out, config, json_path, max_steps, **flags):
@@ -366,16 +363,18 @@ def json_losses(*json_paths) -> dict:
     return losses
 
 
-ONE_RANK = [pytest.param(stage, bf16, id=f"zero{stage}-{'bf16' if bf16 else 'fp32'}",
+# (ZeRO stage, bf16, gradient accumulation steps): each stage in both precisions, and accumulation once.
+ONE_RANK = [pytest.param(stage, bf16, 1, id=f"zero{stage}-{'bf16' if bf16 else 'fp32'}",
                          marks=() if (stage, bf16) in ((0, False), (2, True)) else pytest.mark.slow)
-            for stage in (0, 1, 2) for bf16 in (False, True)]
+            for stage in (0, 1, 2) for bf16 in (False, True)] + [pytest.param(1, True, 2, id="zero1-bf16-gas2")]
 
 
-@pytest.mark.parametrize("stage,bf16", ONE_RANK)
-def test_clean_stops_and_resumes_in_process(tmp_path, shards, stage, bf16):
-    """Micro-batch 8. Stops at step 2 (sample 16, inside a shard) and 10 (sample 80, the next step
-    straddles the end of epoch 0), each resumed, against one uninterrupted run of 12 steps."""
-    config, steps = ds_config(tmp_path, stage, bf16, 1, micro=8), 12
+@pytest.mark.parametrize("stage,bf16,gas", ONE_RANK)
+def test_clean_stops_and_resumes_in_process(tmp_path, shards, stage, bf16, gas):
+    """Micro-batch 8, `gas` micro-batches a step, dropout on (so the RNG states must be restored too). Stops at
+    step 2 (sample 16 or 32, inside a shard) and 10 (sample 80 or 160: the next step straddles the end of an
+    epoch), each resumed, against one uninterrupted run of 12 steps."""
+    config, steps, batch = ds_config(tmp_path, stage, bf16, 1, micro=8, gas=gas), 12, 8 * gas
     main_in_process(driver_args(shards, tmp_path / "ref", config, tmp_path / "ref.json", steps))
     out, logs = tmp_path / "out", [tmp_path / f"run{i}.json" for i in range(3)]
     for log, steps_this_run in zip(logs, (2, 8, -1)):
@@ -384,6 +383,8 @@ def test_clean_stops_and_resumes_in_process(tmp_path, shards, stage, bf16):
     assert sorted(json_losses(*logs)) == list(range(1, steps + 1))
     assert json_losses(*logs) == json_losses(tmp_path / "ref.json")
     assert checkpoint_differences(tmp_path / "ref" / str(steps), out / str(steps)) == []
+    position = torch.load(out / str(steps) / "mp_rank_00_model_states.pt", weights_only=False)
+    assert position["samples_consumed"] == steps * batch and position["epoch"] == steps * batch // EPOCH_SAMPLES
 
 
 def test_resume_falls_back_past_a_checkpoint_missing_a_rank_file(tmp_path, shards):
@@ -399,104 +400,76 @@ def test_resume_falls_back_past_a_checkpoint_missing_a_rank_file(tmp_path, shard
     assert [second[step] for step in (5, 6, 7, 8)] == [first[step] for step in (5, 6, 7, 8)]
 
 
-def test_resume_with_another_model_config_is_refused(tmp_path, shards):
+def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, shards, capsys):
+    config = ds_config(tmp_path, 1, True, 1)
+    summary = main_in_process(driver_args(shards, tmp_path / "out", config, tmp_path / "a.json", 1,
+                                          skip_checkpoint=True))
+    assert summary["global_step"] == 1
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_relaunching_a_finished_job_trains_nothing_and_says_so(tmp_path, shards, capsys):
+    """All launchers pass --resume_from_checkpoint: a relaunch after the last step must not log a loss or a
+    throughput it did not measure."""
+    config, out, log = ds_config(tmp_path, 1, True, 1), tmp_path / "out", tmp_path / "a.json"
+    main_in_process(driver_args(shards, out, config, log, 2))
+    log.unlink()
+    capsys.readouterr()
+    # not cli(): its exit-time destroy_process_group would spoil later in-process runs
+    summary = main_in_process(driver_args(shards, out, config, log, 2))
+    assert "final_loss" not in summary and "training_sequences_per_second" not in summary
+    assert "checkpoint 2 is already at --max_steps 2: nothing to train" in capsys.readouterr().out
+    logged = [r["data"] for r in helpers.read_dllogger(log) if r["type"] == "LOG"]
+    assert not any("final_loss" in d or "step_loss" in d or "training_sequences_per_second" in d for d in logged)
+    assert logged[-1]["global_step"] == 2 and logged[-1]["nothing_to_train"] is True
+
+
+def test_resume_from_another_model_config_or_a_missing_step_is_one_error_line(tmp_path, shards, capsys):
+    """A checkpoint of another model config is refused whether the resume takes the latest or names it with
+    --resume_step (which used to go straight to DeepSpeed's load and end in its size-mismatch traceback); a
+    --resume_step that is not there is one error line too. Nothing is trained or saved."""
     config, out = ds_config(tmp_path, 0, False, 1), tmp_path / "out"
     main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
     other = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
     other["intermediate_size"] = 256
     (tmp_path / "other.json").write_text(json.dumps(other))
-    with pytest.raises(checkpointing.CheckpointError,
-                       match=r"another model config \(intermediate_size: checkpoint 512 vs run 256\)"):
-        main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=tmp_path / "other.json"))
-    assert (out / "latest").read_text() == "2"
-
-
-def test_resume_step_is_checked_before_deepspeed_loads(tmp_path, shards, capsys):
-    """--resume_step N used to go straight to DeepSpeed's load: a checkpoint of another model config ended in
-    its size-mismatch traceback instead of our error line. A tag that is not there is one error line too."""
-    config, out = ds_config(tmp_path, 0, False, 1), tmp_path / "out"
-    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
-    other = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
-    other["intermediate_size"] = 256
-    (tmp_path / "other.json").write_text(json.dumps(other))
-    cases = [(2, tmp_path / "other.json", f"error: checkpoint {out / '2'} is from another model config "
-                                          "(intermediate_size: checkpoint 512 vs run 256)", ExitStatus.FAILED),
-             (7, helpers.TINY_MODEL_CONFIG, f"error: --resume_step 7: {out} holds no checkpoint 7 [no restart]",
-              ExitStatus.NO_RESTART)]
+    another_config = f"error: checkpoint {out / '2'} is from another model config " \
+                     "(intermediate_size: checkpoint 512 vs run 256)"
+    missing_step = f"error: --resume_step 7: {out} holds no checkpoint 7 [no restart]"
+    cases = [(-1, tmp_path / "other.json", another_config, ExitStatus.FAILED),
+             (2, tmp_path / "other.json", another_config, ExitStatus.FAILED),
+             (7, helpers.TINY_MODEL_CONFIG, missing_step, ExitStatus.NO_RESTART)]
     for step, model_config, expected, status in cases:
         argv = driver_args(shards, out, config, tmp_path / "b.json", 4, config_file=model_config, resume_step=step)
         assert run_pretraining.cli([str(arg) for arg in argv]) == status
         err = capsys.readouterr().err
-        assert [line for line in err.splitlines() if line.startswith("error:")] == [expected]
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [expected], step
         assert "Traceback" not in err
     assert (out / "latest").read_text() == "2"
     assert not (out / "4").exists()
 
 
-def test_export_for_fine_tuning(tmp_path, shards):
-    """`python -m training.checkpointing export` on a ZeRO-2 bf16 BERT checkpoint (tied decoder weight): the
-    fp32 master weights, equal to DeepSpeed's own zero_to_fp32, load into a fine-tuning model."""
-    config, out = ds_config(tmp_path, 2, True, 1), tmp_path / "out"
-    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
-    result = subprocess.run([sys.executable, "-m", "training.checkpointing", "export", "--output_dir",
-                             str(out), "--out", str(tmp_path / "bert.pt")], capture_output=True, text=True,
-                            env=helpers.launcher_env(), cwd=helpers.REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    weights = torch.load(tmp_path / "bert.pt", weights_only=True)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    expected = get_fp32_state_dict_from_zero_checkpoint(str(out), tag="2")
-    assert weights.keys() >= expected.keys()
-    assert all(torch.equal(weights[k], v.detach()) for k, v in expected.items())
-    model_config = modeling.BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG)
-    classifier = modeling.BertForSequenceClassification(model_config, num_labels=3)
-    missing, unexpected = classifier.load_state_dict(weights, strict=False)
-    assert missing and all(k.startswith("classifier.") for k in missing)
-    assert unexpected and all(k.startswith("cls.") for k in unexpected)
-    embeddings = classifier.bert.embeddings.word_embeddings.weight
-    assert torch.equal(embeddings.detach(), weights["bert.embeddings.word_embeddings.weight"])
-
-
-def last_shard_of_first_epoch(data_dir, seed=42) -> Path:
-    shards, _, _ = scan_shards(data_dir)
-    return shards[SampleStream(shards, seed, window_size=1).shard_order(0)[-1]].path
-
-
-@pytest.mark.parametrize("skip", [False, True], ids=["error", "skip_bad_shards"])
-def test_corrupt_shard_met_mid_epoch(tmp_path, capsys, skip):
-    data = tmp_path / "data"
-    helpers.write_synthetic_shards(data, SHARD_SIZES)
-    bad = last_shard_of_first_epoch(data)
-    helpers.corrupt_first_chunk(bad)  # the header still validates; reading the samples fails
-    config, out = ds_config(tmp_path, 1, False, 1), tmp_path / "out"
-    # A window of about 12 samples, so the bad shard (the last of epoch 0) is read after some steps.
-    argv = driver_args(data, out, config, tmp_path / "a.json", 24, data_memory_budget_mb=0.01,
-                       skip_bad_shards=skip)
-    if skip:
-        summary = main_in_process(argv)
-        assert summary["skipped_shards"] == 1 and summary["global_step"] == 24
-        return
-    with pytest.raises(ShardError, match=rf"{re.escape(str(bad))}: cannot read samples"):
-        main_in_process(argv)
-    assert "Training Iteration: 10 " in capsys.readouterr().out  # the error came mid-epoch
-
-
-def test_truncated_shard_is_named_before_training(tmp_path):
-    """A truncated HDF5 file cannot even be opened: the start-up header scan names it, before any
-    step and whatever --skip_bad_shards says (it skips shards that fail while training)."""
-    data = tmp_path / "data"
-    bad = helpers.write_synthetic_shards(data, SHARD_SIZES)[1]
-    os.truncate(bad, bad.stat().st_size // 2)
-    config = ds_config(tmp_path, 1, False, 1)
-    with pytest.raises(InputError, match=rf"{re.escape(str(bad))}: cannot read as HDF5 .*truncated"):
-        main_in_process(driver_args(data, tmp_path / "out", config, tmp_path / "a.json", 4, skip_bad_shards=True))
-    assert not (tmp_path / "out" / "latest").exists()
+@pytest.mark.parametrize("changed,field", [({"data_memory_budget_mb": 0.02}, "window_size 313592 then, 24 now"),
+                                           ({"seed": 7}, "seed 42 then, 7 now"),
+                                           ({"disable_random_sampler": True}, "shuffle True then, False now")])
+def test_resume_with_another_data_layout_is_one_error_line(tmp_path, shards, capsys, changed, field):
+    """The saved position indexes a layout made from the seed, window size, shuffle flag and shards: a resume
+    that changes any of them would repeat and skip samples, so it stops with the field named."""
+    config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 3, steps_this_run=1))
+    argv = driver_args(shards, out, config, tmp_path / "b.json", 3, **changed)
+    assert run_pretraining.cli([str(arg) for arg in argv]) == ExitStatus.NO_RESTART
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "another data layout" in errors[0] and field in errors[0], errors
+    assert "resume with the same data and settings" in errors[0]
+    assert main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 3))["global_step"] == 3
 
 
 def test_read_only_output_dir_keeps_earlier_checkpoints(tmp_path, shards):
     config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
     main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 8, steps_this_run=4))
     before = {p.name: p.read_bytes() for p in (out / "4").iterdir()}
-    with read_only(out):  # found before the first step (a save that fails later: test_checkpointing.py)
+    with helpers.read_only(out):  # found before the first step (a save that fails later: test_checkpointing.py)
         with pytest.raises(InputError, match=r"--output_dir .*out is not writable: (Read-only|Permission)"):
             main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 8))
     assert (out / "latest").read_text() == "4"
