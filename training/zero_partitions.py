@@ -9,8 +9,13 @@ optimizers that ZeRO-1/2 use on CPU keep the same shape of data: ``DeepSpeedZero
 (``bit16_groups`` / ``single_partition_of_fp32_groups``: fp32, and bf16 by default) and
 ``BF16_Optimizer`` (``bf16_groups`` / ``fp32_groups_flat_partition``: bf16 + ZeRO-1 with
 ``data_types.grad_accum_dtype: fp32``). ZeRO-0 has no partitions: :func:`group_partitions` is None.
+
+:func:`planned_layout` computes the same layout from the parameter sizes and the world size alone, without a
+process group (tests/test_zero_partitions.py compares it with a live engine's at several world sizes):
+scripts/plan_zero_layout.py uses it for 128 devices.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,6 +38,49 @@ class GroupPartition(NamedTuple):
     flat: torch.Tensor
     params: list          # every model parameter of the group, on all ranks together, in order
     fragments: list       # Fragment for each parameter this rank holds a piece of
+
+
+class PlannedFragment(NamedTuple):
+    """A Fragment as planned, without the tensor: the piece of parameter ``index`` that one rank holds."""
+    index: int
+    partition_start: int
+    param_start: int
+    numel: int
+
+
+class GroupLayout(NamedTuple):
+    """One param group cut into ``world_size`` equal partitions of ``partition_size`` values."""
+    numels: tuple[int, ...]          # the group's parameter sizes, in order
+    partition_size: int
+    ranks: tuple[tuple[PlannedFragment, ...], ...]  # the fragments each rank holds, rank 0 first
+
+    @property
+    def padding(self) -> int:
+        """Zeros after the last parameter, so that the flat group divides into aligned partitions."""
+        return self.partition_size * len(self.ranks) - sum(self.numels)
+
+
+# DeepSpeed 0.19.8 pads a group's flat buffer to a multiple of this times the world size, in both optimizers
+# (``nccl_start_alignment_factor``: partitions start on 4 bytes for 2-byte elements), then cuts it into
+# equal partitions. Parameters are not padded one by one (``zero_optimization.parameter_alignment``, off)
+# nor reordered (``round_robin_gradients``, off): neither is set by this repository's configs.
+ALIGNMENT_FACTOR = 2
+
+
+def planned_layout(numels: Sequence[int], world_size: int) -> GroupLayout:
+    """DeepSpeed's ZeRO-1/2 layout of one param group of parameters of ``numels`` values over ``world_size``
+    data-parallel ranks: the parameters end to end, cut into equal partitions (see ALIGNMENT_FACTOR)."""
+    alignment = ALIGNMENT_FACTOR * world_size
+    partition_size = -(-sum(numels) // alignment) * alignment // world_size
+    ranks: list[list[PlannedFragment]] = [[] for _ in range(world_size)]
+    start = 0
+    for index, numel in enumerate(numels):
+        end = start + numel
+        for rank in range(start // partition_size, -(-end // partition_size)):
+            low, high = max(start, rank * partition_size), min(end, (rank + 1) * partition_size)
+            ranks[rank].append(PlannedFragment(index, low - rank * partition_size, low - start, high - low))
+        start = end
+    return GroupLayout(tuple(numels), partition_size, tuple(tuple(fragments) for fragments in ranks))
 
 
 _LAYOUTS = (("bit16_groups", "single_partition_of_fp32_groups"),  # DeepSpeedZeroOptimizer
