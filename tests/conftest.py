@@ -157,14 +157,14 @@ def pretrained_tiny_post_ln(tmp_path_factory, pipeline_shards):
 
 @pytest.fixture(scope="session")
 def test_hosts(tmp_path_factory):
-    """Three test hosts 10.200.0.1-3 (network namespaces with their own sshd; tests/multihost.py), torn down
+    """Four test hosts 10.200.0.1-4 (network namespaces with their own sshd; tests/multihost.py), torn down
     at the end of the session. Skipped, with the reason in the summary, where the machine cannot make them."""
     import multihost
 
     reason = multihost.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    with multihost.TestHosts(tmp_path_factory.mktemp("test_hosts"), count=3) as hosts:
+    with multihost.TestHosts(tmp_path_factory.mktemp("test_hosts"), count=4) as hosts:
         yield hosts
 
 

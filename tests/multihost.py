@@ -17,6 +17,7 @@ Teardown ends every process that runs inside the namespaces (by pid: `ip netns p
 namespaces; it runs even when setup or a test fails, and after SIGTERM (tests/conftest.py).
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -259,6 +260,18 @@ class TestHosts:
         """Host `host` back up: its sshd started again, and answering."""
         self._start_sshd(self.namespaces[host], self.addresses[host])
         self._wait_for_ssh(self.addresses[host])
+
+    @contextlib.contextmanager
+    def without(self, host, directory):
+        """`directory` hidden on host `host` (0-based), as on a server whose disk lacks it: an empty tmpfs
+        mounted over it in the mount namespace of that host's sshd, which every ssh session there inherits
+        (`ip netns exec` gave it its own); this machine and the other hosts still see it."""
+        sshd = next(p for p in reversed(self.sshd) if p.args[3] == self.namespaces[host] and p.poll() is None)
+        run(["nsenter", "-t", str(sshd.pid), "-m", "mount", "-t", "tmpfs", "tmpfs", str(directory)])
+        try:
+            yield
+        finally:
+            run(["nsenter", "-t", str(sshd.pid), "-m", "umount", str(directory)])
 
     def set_link(self, host, up):
         """Host `host`'s network interface up or down, inside its namespace. Up returns once the first host (0)

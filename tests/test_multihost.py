@@ -45,12 +45,11 @@ def make_job(root, test_hosts, hosts, gas=1):
 
 def launcher_env(hosts, job, results, nodes=2, ranks_per_node=1, **overrides):
     """The 32x launcher's overrides for a tiny CPU job, plus the test hosts' ssh."""
-    env = helpers.launcher_env(HOME=str(job["home"]), HL_HOSTSFILE=str(job["hostfile"]), HL_NUM_NODES=str(nodes),
-                               HL_NGPU_PER_NODE=str(ranks_per_node), HL_DEVICE="cpu", HL_DATA_DIR=str(job["data"]),
-                               HL_MODEL_CONFIG=str(helpers.TINY_MODEL_CONFIG), HL_DS_CONFIG=str(job["ds_config"]),
-                               HL_RESULTS_DIR=str(results), HL_LOG_FREQ="1", HL_MASTER_PORT=str(hosts.master_port),
-                               **overrides)
-    return hosts.env(env)
+    variables = dict(HOME=str(job["home"]), HL_HOSTSFILE=str(job["hostfile"]), HL_NUM_NODES=str(nodes),
+                     HL_NGPU_PER_NODE=str(ranks_per_node), HL_DEVICE="cpu", HL_DATA_DIR=str(job["data"]),
+                     HL_MODEL_CONFIG=str(helpers.TINY_MODEL_CONFIG), HL_DS_CONFIG=str(job["ds_config"]),
+                     HL_RESULTS_DIR=str(results), HL_LOG_FREQ="1", HL_MASTER_PORT=str(hosts.master_port))
+    return hosts.env(helpers.launcher_env(**{**variables, **overrides}))
 
 
 def run_launcher(hosts, env, *extra, host=0, timeout=300):
