@@ -89,8 +89,8 @@ def checkpoint_files(directory) -> list:
 def test_the_tiny_model_is_cut_between_many_ranks(job):
     """The layout these runs have (training/zero_partitions.planned_layout, checked against DeepSpeed's own by
     tests/test_zero_partitions.py). At 8 ranks: the decayed group's 18 tensors (4,399,616 values) in
-    partitions of 549,952; the word embedding (30528 x 128) spans all 8, and 7 of them hold nothing else.
-    At 32 ranks: partitions of 137,488; the word embedding spans 29 ranks, 28 of which hold no whole tensor."""
+    partitions of 549,952; the word embedding (30528 x 128) spans all 8, and 7 hold no whole tensor.
+    At 32 ranks: partitions of 137,488; the word embedding spans 29 ranks, and 28 hold no whole tensor."""
     spec = importlib.util.spec_from_file_location("plan_zero_layout",
                                                   helpers.REPO_ROOT / "scripts" / "plan_zero_layout.py")
     planner = importlib.util.module_from_spec(spec)
