@@ -29,6 +29,7 @@ from common.errors import InputError
 from finetune import finetuning, glue_metrics
 from finetune.glue import TASKS, convert_examples_to_features, read_examples
 from modeling import BertForSequenceClassification
+from training import distributed
 
 
 def build_parser():
@@ -129,9 +130,10 @@ def evaluate(session, model, task, data, batch_size: int) -> dict:
     return summary
 
 
-def main(argv=None, *, make_loss=loss_function) -> dict:
+def main(argv=None, *, make_loss=loss_function, job: distributed.Job | None = None) -> dict:
     """Fine-tune and/or evaluate; returns the summary (also logged). make_loss(task) -> loss(model, batch)
-    (default loss_function) is there for tests: a loss that sends SIGTERM during a chosen step."""
+    (default loss_function) is there for tests: a loss that sends SIGTERM during a chosen step. job: run_cli's
+    (training/distributed.py; default: a new one)."""
     args = finetuning.parse_arguments(build_parser(), argv)
     ds_config = finetuning.validate(args)
     task = TASKS[args.task_name]
@@ -145,7 +147,7 @@ def main(argv=None, *, make_loss=loss_function) -> dict:
 
     finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)
     finetuning.check_training_data(ds_config, len(data["train"][0]) if args.do_train else None)
-    session = finetuning.start(args, ds_config, "run_glue")  # from here on, the run writes its outputs
+    session = finetuning.start(args, ds_config, "run_glue", job)  # from here on, the run writes its outputs
     model = finetuning.build_model(make_model, config, weights, session, fine_tune=args.do_train)
     return finetuning.train_then_evaluate(
         session, model, data["train"][1] if args.do_train else None, make_loss(task),

@@ -35,15 +35,32 @@ import torch
 import torch.distributed as dist
 
 from common import deepspeed_config, storage
+from common.errors import HostInputError, InputError, InputErrorOnEveryRank
 from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from schedulers import PolyWarmUpScheduler
-from training import checkpointing, gaudi, hardware, run_status, runtime, sizing, zero_partitions
-from training.runtime import HostInputError, InputError, InputErrorOnEveryRank, optimizer_step_suppressed
+from training import (
+    checkpointing,
+    command_line,
+    compile_mode,
+    deepspeed_engine,
+    device_setup,
+    distributed,
+    gaudi,
+    hardware,
+    init_weights,
+    logs,
+    profiling,
+    progress_display,
+    run_status,
+    sizing,
+    zero_partitions,
+)
+from training.deepspeed_engine import optimizer_step_suppressed
 
-if TYPE_CHECKING:  # deepspeed is imported only after runtime.choose_accelerator has picked the device
+if TYPE_CHECKING:  # deepspeed is imported only after device_setup.choose_accelerator has picked the device
     import dllogger
     from deepspeed import DeepSpeedEngine
 
@@ -57,9 +74,10 @@ class TrainingStopped(RuntimeError):
 # ============================================================================ arguments
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = runtime.OneLineErrorParser(description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).",
-                                        formatter_class=runtime.DefaultsHelpFormatter, epilog=runtime.SWITCHES_EPILOG,
-                                        usage="%(prog)s --input_dir DIR --config_file JSON --output_dir DIR [flags]")
+    parser = command_line.OneLineErrorParser(
+        description="BERT pretraining with DeepSpeed (Habana deepspeed-bert flags).",
+        formatter_class=command_line.DefaultsHelpFormatter, epilog=command_line.SWITCHES_EPILOG,
+        usage="%(prog)s --input_dir DIR --config_file JSON --output_dir DIR [flags]")
     data = parser.add_argument_group("data")
     data.add_argument("--input_dir", required=True, help="Directory (or s3://bucket/prefix) of HDF5 shards; the "
                       ".hdf5/.h5 files whose name contains 'training' are used (not dot-files). Their sequence "
@@ -79,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the backward pass.")
     model.add_argument("--checkpoint_activations_interval", type=int, default=1, help="Layers per checkpointed "
                        "chunk.")
-    runtime.add_compile_arguments(model, compiles_lans=True)
+    compile_mode.add_compile_arguments(model, compiles_lans=True)
 
     schedule = parser.add_argument_group("schedule and optimizer")
     schedule.add_argument("--optimizer", default=None, help=f"The client optimizer: {', '.join(OPTIMIZERS)} "
@@ -178,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
-    runtime.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
+    device_setup.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
     import deepspeed
     parser = build_parser()
     deepspeed.add_config_arguments(parser)
@@ -201,9 +219,9 @@ def validate_args(args, world_size: int) -> tuple:
     to S3 or None); raises InputError."""
     if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    runtime.check_profiler(args.profile, args.profile_steps, args.use_hpu)
-    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
-                                args.use_hpu)
+    profiling.check_profiler(args.profile, args.profile_steps, args.use_hpu)
+    compile_mode.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
+                                     args.use_hpu)
     for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps",
                  "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
@@ -236,10 +254,10 @@ def validate_args(args, world_size: int) -> tuple:
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint "
                          "or use an empty directory")
     if copies is None:
-        runtime.check_writable_directory(output_dir, "--output_dir")
+        command_line.check_writable_directory(output_dir, "--output_dir")
     else:  # checkpoints are written there before they are copied to S3
-        runtime.check_writable_directory(copies.local_dir, "--s3_cache_dir")
-    runtime.check_writable_file(args.json_summary, "--json-summary")
+        command_line.check_writable_directory(copies.local_dir, "--s3_cache_dir")
+    command_line.check_writable_file(args.json_summary, "--json-summary")
     if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
         raise HostInputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
     ds_config = deepspeed_config_with_optimizer(args.deepspeed_config, world_size, args.optimizer)
@@ -315,16 +333,17 @@ def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCac
     return DataInfo(shards, seq_len, max_pred, num_samples, shard_files)
 
 
-def check_same_shards_on_every_rank(data: DataInfo, input_dir: str) -> None:
+def check_same_shards_on_every_rank(data: DataInfo, input_dir: str, hosts: list) -> None:
     """Each rank lists --input_dir itself, and the ranks cut one stream from their listings: a server whose
     copy lacks a shard (an unfinished copy) or holds another version of one would make the ranks train other
-    samples than planned, silently. One all-gather of a digest; the listings themselves only when they differ."""
+    samples than planned, silently. One all-gather of a digest; the listings themselves only when they differ.
+    hosts: every rank's host (training/distributed.Job.hosts), for the message."""
     listing = {"shards": shard_listing(data.shards), "seq_len": data.seq_len, "max_pred": data.max_pred}
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(json.dumps(listing).encode()).hexdigest())
     if len(set(digests)) == 1:
         return
-    listings, hosts = [None] * len(digests), runtime.job_hosts()
+    listings = [None] * len(digests)
     dist.all_gather_object(listings, listing)
     other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
     first, second = ({name: size for name, size in listings[r]["shards"]} for r in (0, other))
@@ -346,7 +365,7 @@ def build_model(config: BertConfig, init_checkpoint: str | Path | None, checkpoi
     """checkpoint_interval: layers per activation-checkpointed chunk, 0 for none."""
     model = BertForPreTraining(config)
     if init_checkpoint:
-        runtime.load_init_weights(model, init_checkpoint)
+        init_weights.load_init_weights(model, init_checkpoint)
     if checkpoint_interval:
         import deepspeed
         model.checkpoint_activations(True, checkpoint_interval, checkpoint_fn=deepspeed.checkpointing.checkpoint)
@@ -357,12 +376,12 @@ def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: 
                  betas: list | None, lr_schedule: dict | None, lans_blocks: str,
                  torch_compile: tuple[str, str] | None) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
     """The client optimizer (--optimizer; None: the DeepSpeed JSON's) and LR schedule, then
-    runtime.initialize_engine. lr_schedule: PolyWarmUpScheduler's keyword arguments (--use_lr_scheduler), or
+    deepspeed_engine.initialize_engine. lr_schedule: PolyWarmUpScheduler's keyword arguments (--use_lr_scheduler), or
     None. lans_blocks: --lans_blocks. torch_compile: (backend, mode) with --enable_torch_compile, else None.
     With inductor, compile mode compiles LANS's update too (lans.LANS, compile_update)."""
     groups = get_parameter_groups(model)
     optimizer = scheduler = None
-    backend = runtime.compile_backend(torch_compile[0]) if torch_compile is not None else None
+    backend = compile_mode.compile_backend(torch_compile[0]) if torch_compile is not None else None
     if optimizer_name:
         try:
             # adjust_step=False: no zero-gradient step ever reaches the optimizer (see optimizer_step_suppressed).
@@ -372,11 +391,12 @@ def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: 
                 scheduler = PolyWarmUpScheduler(optimizer, **lr_schedule)
         except ValueError as err:  # an impossible LR, betas or schedule
             raise InputError(f"optimizer / LR schedule: {err}") from err
-    engine, optimizer = runtime.initialize_engine(model, ds_config, optimizer, scheduler, parameter_groups=groups)
+    engine, optimizer = deepspeed_engine.initialize_engine(model, ds_config, optimizer, scheduler,
+                                                           parameter_groups=groups)
     if optimizer_name == "lans" and lans_blocks == "tensor":
         zero_partitions.use_tensor_blocks(engine.optimizer, optimizer)
     if torch_compile is not None:
-        runtime.compile_model(engine, backend, torch_compile[1])
+        compile_mode.compile_model(engine, backend, torch_compile[1])
     return engine, optimizer
 
 
@@ -453,7 +473,7 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"], client.get("bad_steps_in_a_row", 0))
     if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0
-        runtime.seed_everything(seed + rank + world * state.global_step)
+        device_setup.seed_everything(seed + rank + world * state.global_step)
     else:
         checkpointing.restore_rng_state(rank_state["rng"], engine.device)
         state.open_window = rank_state.get("log_window", {})
@@ -565,7 +585,7 @@ class Run:
     all_reduce: Callable[[torch.Tensor], object]  # dist.all_reduce; a test stands in for other ranks with its own
     all_gather_object: Callable[[list, object], object]  # dist.all_gather_object (rare: shards skipped somewhere)
     device: torch.device
-    logger: "dllogger.Logger"  # runtime.build_logger: dllogger's, or dllogger_fallback's without the package
+    logger: "dllogger.Logger"  # logs.build_logger: dllogger's, or dllogger_fallback's without the package
     micro_batch: int
     gas: int
     world: int
@@ -612,7 +632,7 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
                   "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"],
                   "model_tflops": model_tflops, "mfu": record["mfu"]}
     run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step), data=record)
-    # On disk at once: a rank whose collective fails leaves with os._exit (runtime.run_cli), which drops
+    # On disk at once: a rank whose collective fails leaves with os._exit (command_line.run_cli), which drops
     # what the stream still buffers, and a restarted job's log would lack the steps of the failed attempt.
     run.logger.flush()
     return record
@@ -706,7 +726,7 @@ def agree_on_skipped_shards(run: Run, state: TrainState, result: StepResult, bat
 def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
     say, every, clock = run.say, run.checkpoint_every, run.clock
-    progress = runtime.progress_bar(run.progress_bar, run.max_steps, state.global_step, "steps", run.log_freq)
+    progress = progress_display.progress_bar(run.progress_bar, run.max_steps, state.global_step, "steps", run.log_freq)
     window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
     window.local_losses = list(state.open_window.get("local_losses", []))
     window.all_rank_losses = list(state.open_window.get("all_rank_losses", []))
@@ -715,7 +735,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
         step_started = clock()
         result = train_step(run, batches, stop_event, profiler, state.skipped_shards)
         if run.log_first_step_time and steps_done == 0:
-            runtime.log_first_step(run.logger, say, clock() - step_started)
+            compile_mode.log_first_step(run.logger, say, clock() - step_started)
         state.global_step += 1
         steps_done += 1
         state.samples_consumed = result.next_position
@@ -764,29 +784,31 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
          criterion: BertPretrainingCriterion | None = None,
          make_graph_breaks: GraphBreaksFactory = gaudi.graph_breaks,
          device_memory: Callable[[torch.device], tuple] = hardware.device_memory_bytes,
-         status_file: run_status.StatusFile | None = None) -> dict:
+         status_file: run_status.StatusFile | None = None, job: distributed.Job | None = None) -> dict:
     """Run the training; returns the summary (the reference's final dllogger record) on every rank.
     clock (seconds), criterion (default: BertPretrainingCriterion()), make_graph_breaks (device, model,
     is 5B) and device_memory (device -> (bytes, description)) are there for tests: a fake clock, a loss that
     turns NaN on chosen steps, HPU lazy-mode graph breaks on the CPU, a device smaller than the run.
-    status_file: the one cli's run_cli reports the end to (default: a new one)."""
+    status_file: the one cli's run_cli reports the end to (default: a new one). job: run_cli's (default: a new one,
+    for a caller without run_cli)."""
     started = clock()
     # From the start, SIGTERM/SIGINT (a preemption, forwarded by the launcher) only ask the run to stop: one that
     # comes during start-up (engine set-up, checkpoint load: minutes for the 5B model) stops the run before its
     # first step, one during training after the step under way, and none cuts a checkpoint copy short.
-    with runtime.stop_requests() as stop_event:
+    with command_line.stop_requests() as stop_event:
         args = parse_arguments(argv)
         status_file = status_file if status_file is not None else run_status.StatusFile()
+        job = job if job is not None else distributed.Job()
         status_file.place(args.json_summary)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         ds_config, model_config, data, copies = validate_args(args, world_size)
         try:
-            return train_run(args, started, ds_config, model_config, data, copies, stop_event, status_file,
+            return train_run(args, started, ds_config, model_config, data, copies, stop_event, status_file, job,
                              clock=clock,
                              criterion=criterion if criterion is not None else BertPretrainingCriterion(),
                              make_graph_breaks=make_graph_breaks, device_memory=device_memory)
         except BaseException as err:  # the copy below may take minutes: no other rank's exit is a death meanwhile
-            runtime.stop_watching_peers(goodbye=isinstance(err, InputErrorOnEveryRank))
+            job.stop_watching_peers(goodbye=isinstance(err, InputErrorOnEveryRank))
             raise
         finally:  # also after an error: the process must not end in the middle of a checkpoint copy
             if copies is not None:
@@ -796,17 +818,17 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
               copies: checkpointing.CheckpointUploader | None, stop_event: threading.Event,
-              status_file: run_status.StatusFile, *,
+              status_file: run_status.StatusFile, job: distributed.Job, *,
               clock: Callable[[], float],
               criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple]) -> dict:
     """main after validation: the one place that reads the flags for the run (device, logger, engine, resume,
     Run) and hands the functions below their values."""
-    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank,
-                                                  args.collective_timeout_s, stop_event, ds_config)
+    device = distributed.setup_device_and_distributed(job, args.use_hpu, args.no_cuda, args.local_rank,
+                                                      args.collective_timeout_s, stop_event, ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    check_same_shards_on_every_rank(data, args.input_dir)
-    runtime.seed_everything(args.seed + rank)
+    check_same_shards_on_every_rank(data, args.input_dir, job.hosts)
+    device_setup.seed_everything(args.seed + rank)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     checkpoint_interval = args.checkpoint_activations_interval if args.checkpoint_activations else 0
     check_memory(device, ds_config, model_config, data, world, say, checkpoint_interval=checkpoint_interval,
@@ -818,7 +840,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
     model = build_model(model_config, args.init_checkpoint, checkpoint_interval)
     # The log is started once the run is known to fit and its weights to load: a refused attempt of a
     # launcher (which resumes, appending) adds nothing to the run's log.
-    logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
+    logger = logs.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     log_parameters(logger, args, ds_config)
     logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
     graph_breaks = make_graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
@@ -831,7 +853,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                                     if args.enable_torch_compile else None))
     # Every normal way out from here (the end, nothing to train, a stop during start-up) frees the engine:
     # DeepSpeed's gradient hooks would otherwise keep it, the model and the optimizer states alive after main.
-    with runtime.destroyed_on_exit(engine):
+    with deepspeed_engine.destroyed_on_exit(engine):
         window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
         data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)
         checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
@@ -872,8 +894,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                   log_first_step_time=args.enable_torch_compile,
                   progress_bar=rank == 0 and not args.disable_progress_bar)
         first_step = state.global_step
-        profiler = runtime.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
-                                          args.use_hpu, args.no_cuda)
+        profiler = profiling.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
+                                            args.use_hpu, args.no_cuda)
         train_started = clock()
         try:
             with profiler if profiler is not None else nullcontext():
@@ -965,9 +987,9 @@ def cli(argv=None) -> int:
     the supervisor (training/run_status.py). Bad input and a deliberate stop are final (NO_RESTART, the line
     says [no restart]): a restart would meet them again."""
     status_file = run_status.StatusFile()
-    return runtime.run_cli(functools.partial(main, status_file=status_file), argv,
-                           (ShardError, checkpointing.CheckpointError, TrainingStopped, storage.StorageError),
-                           final=(InputError, TrainingStopped), report=status_file.ended)
+    return command_line.run_cli(functools.partial(main, status_file=status_file), argv,
+                                (ShardError, checkpointing.CheckpointError, TrainingStopped, storage.StorageError),
+                                final=(InputError, TrainingStopped), report=status_file.ended)
 
 
 if __name__ == "__main__":

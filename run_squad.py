@@ -28,6 +28,7 @@ from common.atomic_write import write_text_atomically
 from common.errors import InputError
 from finetune import finetuning, squad, squad_metrics
 from modeling import BertForQuestionAnswering
+from training import distributed
 
 
 def build_parser():
@@ -161,7 +162,9 @@ def score(result, predict_file: str, output_dir: Path, version_2_with_negative: 
     return {"exact_match": exact, "F1": figures.pop("f1"), **figures}
 
 
-def main(argv=None) -> dict:
+def main(argv=None, *, job: distributed.Job | None = None) -> dict:
+    """Fine-tune and/or predict; returns the summary (also logged). job: run_cli's (training/distributed.py;
+    default: a new one)."""
     args = finetuning.parse_arguments(build_parser(), argv)
     ds_config = finetuning.validate(args)
     config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)
@@ -174,7 +177,7 @@ def main(argv=None) -> dict:
     finetuning.check_weights(BertForQuestionAnswering, config, weights, fine_tune=args.do_train)
     finetuning.check_training_data(ds_config, len(data["train"][1]) if "train" in data else None,
                                    "training windows (features of --train_file's questions)")
-    session = finetuning.start(args, ds_config, "run_squad")  # from here on, the run writes its outputs
+    session = finetuning.start(args, ds_config, "run_squad", job)  # from here on, the run writes its outputs
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session, fine_tune=args.do_train)
     predict = None
     if "predict" in data:

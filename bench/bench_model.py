@@ -179,7 +179,7 @@ def run_shape(name, config, batch_size, args):
     ]
     if args.compile:
         from torch._inductor import config as inductor_config
-        inductor_config.fallback_random = True  # as runtime.compile_model sets it
+        inductor_config.fallback_random = True  # as compile_mode.compile_model sets it
         compiled_model = BertForPreTraining(config).train()
         compiled_model.load_state_dict(ours_model.state_dict())
         compiled_model.compile(backend="inductor")

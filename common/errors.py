@@ -13,7 +13,7 @@ class HostInputError(InputError):
 
 class InputErrorOnEveryRank(InputError):
     """Bad input that every rank finds at the same point, from a collective's result: the ranks can leave
-    together, through a barrier (see training/runtime.run_cli)."""
+    together, through a barrier (see training/command_line.run_cli)."""
 
 
 # The end of the error line of a failure that a restart would meet again: bad input, or a run that stopped

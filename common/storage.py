@@ -52,7 +52,7 @@ _HEAD = ".head"
 _SPACE_LOCK = ".space.lock"
 # check_access(write=True) puts and deletes <prefix>/.write_probe.<host>.<pid>: a name of its own per process,
 # which a check that the prefix is empty (run on other ranks meanwhile) must not count. The probe file of a
-# local directory (training/runtime.check_writable_directory) has the same prefix, for the same reason.
+# local directory (training/command_line.check_writable_directory) has the same prefix, for the same reason.
 WRITE_PROBE_PREFIX = ".write_probe."
 ROOM_POLL_S = 0.1  # how often a download waiting for room in the shard cache looks again
 

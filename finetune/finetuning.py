@@ -11,7 +11,7 @@ Interface, in the order an entry point's main() calls it:
     tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)  # vocab size == model's
     make_model = lambda config: BertForSequenceClassification(config, 2)  # the task's head model
     finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)  # InputError, before any output
-    session = finetuning.start(args, ds_config, "run_glue")  # device, process group, seed + rank, dllogger
+    session = finetuning.start(args, ds_config, "run_glue", job)  # device, process group, seed + rank, dllogger
     model = finetuning.build_model(make_model, config, weights, session,
                                    fine_tune=args.do_train)  # built under --seed on every rank
     summary = finetuning.train_then_evaluate(session, model, features, loss_fn, evaluate)
@@ -55,7 +55,17 @@ from finetune.hf_interop import read_config_file, read_pretrained_weights
 from modeling import BertConfig, BertForQuestionAnswering, BertForTokenClassification
 from optimization import get_parameter_groups
 from schedulers import LinearWarmUpScheduler
-from training import checkpointing, runtime
+from training import (
+    checkpointing,
+    command_line,
+    compile_mode,
+    deepspeed_engine,
+    device_setup,
+    distributed,
+    init_weights,
+    logs,
+    progress_display,
+)
 
 CHECKPOINT_SUBDIR = "checkpoints"
 POOLER_PREFIX = "bert.pooler."
@@ -71,8 +81,8 @@ POOLER_UNUSED = (BertForQuestionAnswering, BertForTokenClassification)
 def build_parser(description: str, usage: str) -> tuple:
     """(parser, {title: argument group}) with the common flags in their groups; an entry point adds its own
     flags to these groups ("data", "model", ...)."""
-    parser = runtime.OneLineErrorParser(description=description, usage=usage, epilog=runtime.SWITCHES_EPILOG,
-                                        formatter_class=runtime.DefaultsHelpFormatter)
+    parser = command_line.OneLineErrorParser(description=description, usage=usage, epilog=command_line.SWITCHES_EPILOG,
+                                             formatter_class=command_line.DefaultsHelpFormatter)
     groups = {title: parser.add_argument_group(title) for title in
               ("what to run", "data", "model", "schedule and optimizer", "prediction", "checkpoints",
                "devices and distribution", "logging")}
@@ -91,7 +101,7 @@ def build_parser(description: str, usage: str) -> tuple:
         "file, or a Hugging Face BERT directory (default: none, fresh weights from --config_file).")
     add("--config_file", default=None, help="Model config JSON (default: the one --init_checkpoint records; "
         "needed when it records none).")
-    runtime.add_compile_arguments(groups["model"])
+    compile_mode.add_compile_arguments(groups["model"])
     add = groups["schedule and optimizer"].add_argument
     add("--train_batch_size", type=int, default=None, help="Sequences per process (device) and optimizer step, "
         "as in NVIDIA's run_squad.py and run_glue.py: each of the --gradient_accumulation_steps micro-steps "
@@ -139,7 +149,7 @@ def build_parser(description: str, usage: str) -> tuple:
 
 def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
-    runtime.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
+    device_setup.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
     import deepspeed
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -158,8 +168,8 @@ def validate(args) -> dict:
                              f"\"bf16\": {{\"enabled\": true}} in the --deepspeed_config JSON")
     if not (args.do_train or args.do_eval or args.do_predict):
         raise InputError("nothing to do: pass --do_train, --do_eval and/or --do_predict")
-    runtime.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
-                                args.use_hpu)
+    compile_mode.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
+                                     args.use_hpu)
     if args.init_checkpoint is None and args.config_file is None:
         raise InputError("pass --init_checkpoint (pretrained weights) and/or --config_file")
     if args.init_checkpoint is None and not args.do_train:
@@ -315,21 +325,22 @@ class Session:
     device: torch.device
     rank: int
     world: int
-    logger: object  # runtime.build_logger's
+    logger: object  # logs.build_logger's
     say: Callable[[str], None]  # prints on rank 0, nothing elsewhere
     output_dir: Path  # --output_dir; checkpoints in its CHECKPOINT_SUBDIR
     progress_bar: bool  # rank 0 without --disable-progress-bar
     training: TrainingFlags
 
 
-def start(args, ds_config: dict | None, name: str) -> Session:
+def start(args, ds_config: dict | None, name: str, job: distributed.Job | None = None) -> Session:
     """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters; the Session holds
-    the values of the flags that train() and predict() follow."""
-    device = runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank, ds_config=ds_config)
+    the values of the flags that train() and predict() follow. job: run_cli's (default: a new one)."""
+    device = distributed.setup_device_and_distributed(job if job is not None else distributed.Job(), args.use_hpu,
+                                                      args.no_cuda, args.local_rank, ds_config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    runtime.seed_everything(args.seed + rank)
+    device_setup.seed_everything(args.seed + rank)
     # A resumed run adds to the interrupted one's records, as run_pretraining.py does.
-    logger = runtime.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
+    logger = logs.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
     logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "deepspeed_config": ds_config})
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     say = (lambda text: print(f"[{name}] {text}", flush=True)) if rank == 0 else (lambda text: None)
@@ -371,8 +382,8 @@ def _check_fit(model, config: BertConfig, weights: dict, *, fine_tune: bool) -> 
                          f"{list(weights[key].shape)} in the checkpoint, {list(own[key].shape)} in the model "
                          f"(a head for another number of labels or outputs)")
     if wrong:  # the encoder's tensors only: the head is the task's
-        misfit = runtime.describe_misfit({key: own[key] for key in encoder},
-                                         {key: value for key, value in weights.items() if key.startswith("bert.")})
+        misfit = init_weights.describe_misfit({key: own[key] for key in encoder},
+                                              {key: value for key, value in weights.items() if key.startswith("bert.")})
         raise InputError(f"--init_checkpoint does not fit the model config (hidden {config.hidden_size}, "
                          f"{config.num_hidden_layers} layers): {misfit}")
     if missing or unknown:
@@ -397,9 +408,9 @@ def build_model(make_model, config: BertConfig, weights: dict | None, session: S
     not read it (POOLER_UNUSED). The model is built under the run's seed, the same on every rank (a fresh
     head is one head, not one per rank); seed + rank is in force again afterwards, for dropout and the like.
     The entry points call check_weights first, before start(): bad weights stop the run before it writes."""
-    runtime.seed_everything(session.training.seed)
+    device_setup.seed_everything(session.training.seed)
     model = make_model(config)
-    runtime.seed_everything(session.training.seed + session.rank)
+    device_setup.seed_everything(session.training.seed + session.rank)
     if weights is None:
         session.say("no --init_checkpoint: the encoder starts from random weights")
         return model
@@ -477,24 +488,25 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     fused = session.device.type in ("cpu", "cuda")
     optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=flags.learning_rate, eps=1e-6, fused=fused)
     scheduler = LinearWarmUpScheduler(optimizer, warmup=flags.warmup_proportion, total_steps=total_steps)
-    engine, _ = runtime.initialize_engine(model, ds_config, optimizer, scheduler)
+    engine, _ = deepspeed_engine.initialize_engine(model, ds_config, optimizer, scheduler)
     # destroyed when training ends without an error: DeepSpeed's gradient hooks (bf16, ZeRO-1/2) would otherwise
     # keep the engine and the optimizer states alive after main returns
-    with runtime.destroyed_on_exit(engine):
+    with deepspeed_engine.destroyed_on_exit(engine):
         if flags.torch_compile is not None:
-            runtime.compile_model(engine, *flags.torch_compile)
+            compile_mode.compile_model(engine, *flags.torch_compile)
         setup = training_setup(plan, flags.seed, features)
         step = resume(session, engine, model.config, setup) if flags.resume else 0
         session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                     + (f", resumed at step {step}" if step else ""))
-        progress = runtime.progress_bar(session.progress_bar, total_steps, step, "fine-tuning steps", flags.log_freq)
+        progress = progress_display.progress_bar(session.progress_bar, total_steps, step, "fine-tuning steps",
+                                                 flags.log_freq)
         first_step, losses, stopped = step, [], False
-        with runtime.stop_requests() as stop_event:
+        with command_line.stop_requests() as stop_event:
             while step < total_steps and not stopped:
                 step_started = time.perf_counter()
                 loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
                 if flags.torch_compile is not None and step == first_step:
-                    runtime.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
+                    compile_mode.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
                 step += 1
                 losses.append(loss)
                 progress.update(1)
@@ -626,7 +638,8 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
     num_examples = len(next(iter(features.values())))
     mine = []
     starts = range(session.rank * batch_size, num_examples, session.world * batch_size)
-    progress = runtime.progress_bar(session.progress_bar, len(starts), 0, "predicting", max(1, len(starts) // 10))
+    progress = progress_display.progress_bar(session.progress_bar, len(starts), 0, "predicting",
+                                             max(1, len(starts) // 10))
     for start in starts:
         rows = torch.arange(start, min(start + batch_size, num_examples))
         outputs = forward_fn(model, to_device(features, rows, session.device))
@@ -646,4 +659,4 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
 def run_cli(main, argv) -> int:
     """An entry point's cli(): one error line and exit status 1 for bad input or a bad checkpoint; 3 (STOPPED,
     training/run_status.py) when a stop request ended training."""
-    return runtime.run_cli(main, argv, (checkpointing.CheckpointError,))
+    return command_line.run_cli(main, argv, (checkpointing.CheckpointError,))

@@ -186,7 +186,7 @@ def every_cpu_thread():
 
 @pytest.fixture(autouse=True)
 def compile_settings_restored():
-    """torch.compile's settings (inductor's and dynamo's) as they were before the test. runtime.compile_model
+    """torch.compile's settings (inductor's and dynamo's) as they were before the test. compile_mode.compile_model
     sets inductor's fallback_random for the rest of its process, which is right for a training process; in
     the suite an in-process compiled run (tests/test_compile.py) changed the settings, and with them inductor's
     cache keys, of every later test file in its worker (pytest-xdist --dist loadfile): those ran compiled code
@@ -208,7 +208,7 @@ def compile_settings_restored():
 def engines_destroyed(monkeypatch):
     """Every DeepSpeed engine that deepspeed.initialize built during the test is destroyed after it. DeepSpeed's
     gradient hooks keep an engine, its model and optimizer states alive until destroy(), and the driver does
-    not destroy it when a run ends in an error (runtime.destroyed_on_exit: that process ends anyway): in the
+    not destroy it when a run ends in an error (deepspeed_engine.destroyed_on_exit: that process ends anyway): in the
     suite each in-process run that ended in an error, and each engine a test built itself
     (tests/test_checkpointing.py), was left to every later test file of its worker (a one-process run of the
     default suite in CI order ended with 59 live engines, counted with gc: 43 of test_checkpointing.py, 12 of

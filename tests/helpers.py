@@ -20,7 +20,7 @@ import pytest
 
 from data.dataset import SampleStream, scan_shards
 from data.shard_format import write_shard
-from training.runtime import free_port  # also for the tests that start processes
+from training.distributed import free_port  # also for the tests that start processes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 
 import run_pretraining
-from training import hardware, runtime
+from training import command_line, hardware
 
 
-def main(argv):
+def main(argv, job):
     with hardware.PeakAllocated(torch.device("cpu")) as peak:
-        run_pretraining.main(argv)
+        run_pretraining.main(argv, job=job)
     rank = int(os.environ.get("RANK", "0"))
     out = Path(os.environ["MEMORY_PEAK_DIR"]) / f"peak_{rank}.json"
     out.write_text(json.dumps({"rank": rank, "low_bytes": peak.low_bytes, "peak_bytes": peak.bytes}))
 
 
 if __name__ == "__main__":  # under run_cli, as the driver: the ranks leave together (training/peer_watch.py)
-    sys.exit(runtime.run_cli(main, sys.argv[1:], ()))
+    sys.exit(command_line.run_cli(main, sys.argv[1:], ()))

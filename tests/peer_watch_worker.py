@@ -1,4 +1,4 @@
-"""One rank of two for tests/test_peer_watch.py, under runtime.run_cli as the entry points run. It sets up the
+"""One rank of two for tests/test_peer_watch.py, under command_line.run_cli as the entry points run. It sets up the
 process group (with or without the peer watch, argv[0] "watch" / "no-watch", collective timeout argv[1] s), then
 does argv[2]:
 - "send": one broadcast of 64 MB from rank 0, more than the sockets between two ranks buffer. Rank 1 posts its
@@ -6,7 +6,7 @@ does argv[2]:
   stops rank 1 first, so the send stays under way).
 - "slow-clean-up", "slow-clean-up-watching": every rank meets the same bad input; rank 0's clean-up then takes
   longer than the watch's grace, as run_pretraining.py's wait for a checkpoint copy may. The first stops the
-  watch before it (runtime.stop_watching_peers), as run_pretraining.py does; the second does not.
+  watch before it (training/distributed.Job.stop_watching_peers), as run_pretraining.py does; the second does not.
 Started with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
 """
 
@@ -17,18 +17,18 @@ import torch
 import torch.distributed as dist
 
 from common.errors import InputError
-from training import peer_watch, runtime
+from training import command_line, distributed, peer_watch
 
 
-def main(argv):
-    runtime.setup_device_and_distributed(use_hpu=False, no_cuda=True, collective_timeout_s=float(argv[1]),
-                                         watch_peers=argv[0] == "watch")
+def main(argv, job):
+    distributed.setup_device_and_distributed(job, use_hpu=False, no_cuda=True, collective_timeout_s=float(argv[1]),
+                                             watch_peers=argv[0] == "watch")
     if argv[2].startswith("slow-clean-up"):
         try:
             raise InputError("the same bad input on every rank")
         except InputError:
             if argv[2] == "slow-clean-up":
-                runtime.stop_watching_peers(goodbye=False)
+                job.stop_watching_peers(goodbye=False)
             if dist.get_rank() == 0:
                 time.sleep(peer_watch.GRACE_S + 2)
             raise
@@ -44,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(runtime.run_cli(main, sys.argv[1:], ()))
+    sys.exit(command_line.run_cli(main, sys.argv[1:], ()))

@@ -1,6 +1,6 @@
 """The tree's architecture, read from the imports of every tracked module: which folder may import which (the
-arrows form no circle; data/ knows nothing of training or fine-tuning), no library imports a command-line
-module or an entry point, and no file patches the import path."""
+arrows form no circle; data/ knows nothing of training or fine-tuning), the modules import each other in no circle,
+no library imports a command-line module or an entry point, and no file patches the import path."""
 
 import ast
 import subprocess
@@ -80,19 +80,61 @@ def arrow_violations(modules: dict) -> list:
 
 def test_imports_follow_the_arrows_between_folders():
     modules = library_modules()
-    assert {"common.errors", "data.dataset", "training.runtime", "finetune.finetuning", "run_pretraining"} <= set(
-        modules)
+    assert {"common.errors", "data.dataset", "training.distributed", "training.command_line", "finetune.finetuning",
+            "run_pretraining"} <= set(modules)
     assert arrow_violations(modules) == []
 
 
 def test_the_check_finds_a_wrong_arrow():
     """Negative control: data/ importing training, a library importing the preflight CLI, two entry points."""
-    modules = {"data.dataset": "from training import runtime\n", "training.runtime": "import training.preflight\n",
+    modules = {"data.dataset": "from training import distributed\n",
+               "training.distributed": "import training.preflight\n",
                "run_glue": "import run_squad\n", "common.errors": "from finetune.glue import TASKS\n"}
     assert arrow_violations(modules) == [
         "common.errors (common) imports finetune", "data.dataset (data) imports training",
         "run_glue imports the entry point run_squad",
-        "training.runtime imports the command-line module training.preflight"]
+        "training.distributed imports the command-line module training.preflight"]
+
+
+def import_cycle(modules: dict) -> list:
+    """A circle of imports between the project modules of `modules` ([] when they form a DAG): the modules
+    along it, the first repeated at the end."""
+    arrows = {module: sorted(name for name in imported_modules(source) if name in modules and name != module)
+              for module, source in modules.items()}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        path.append(module)
+        for imported in arrows[module]:
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(module)
+        return []
+
+    for module in sorted(modules):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return []
+
+
+def test_the_modules_import_each_other_in_no_circle():
+    assert import_cycle(library_modules()) == []
+
+
+def test_the_check_finds_a_circle():
+    """Negative control: two training modules that import each other, through a third."""
+    modules = {"training.command_line": "from training import distributed\n",
+               "training.distributed": "from training import device_setup\n",
+               "training.device_setup": "import training.command_line\n"}
+    assert import_cycle(modules) == ["training.command_line", "training.distributed", "training.device_setup",
+                                     "training.command_line"]
 
 
 def test_no_file_patches_the_import_path():

@@ -64,11 +64,11 @@ def test_compiled_training_follows_eager_and_checkpoints_resume_in_either_mode(t
 def test_compile_mode_with_inductor_compiles_the_lans_update(tmp_path, shards, torch_compile, compiled_update):
     """The driver's LANS runs its update compiled in compile mode when the backend is inductor (the default
     off Gaudi); the 20-step comparison above then covers it."""
-    from training import runtime
+    from training import distributed
     config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4)
     args = run_pretraining.parse_arguments([str(arg) for arg in helpers.driver_argv(shards, tmp_path / "out", config)])
     ds_config, model_config, _, _ = run_pretraining.validate_args(args, 1)
-    runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    distributed.setup_device_and_distributed(distributed.Job(), args.use_hpu, args.no_cuda, args.local_rank)
     engine, optimizer = run_pretraining.build_engine(
         run_pretraining.build_model(model_config, None, 0), ds_config, optimizer_name="lans", learning_rate=0.01,
         betas=None, lr_schedule=None, lans_blocks="tensor", torch_compile=torch_compile)

@@ -81,7 +81,7 @@ def test_a_session_with_another_cpu_capability_gets_its_own_inductor_cache(monke
 COMPILING_TEST = """\
 import torch
 
-from training import runtime
+from training import compile_mode
 
 
 class Engine:  # stands in for a DeepSpeed engine: compile_model calls its compile()
@@ -90,7 +90,7 @@ class Engine:  # stands in for a DeepSpeed engine: compile_model calls its compi
 
 
 def test_compiles():
-    runtime.compile_model(Engine(), "inductor", None)
+    compile_mode.compile_model(Engine(), "inductor", None)
     assert torch._inductor.config.fallback_random
 """
 
@@ -105,7 +105,7 @@ def test_sees_the_default():
 
 
 def test_a_compiled_run_leaves_no_compile_setting_to_the_next_test_file(tmp_path):
-    """runtime.compile_model sets inductor's fallback_random for the rest of its process; in a session of
+    """compile_mode.compile_model sets inductor's fallback_random for the rest of its process; in a session of
     several files (one pytest-xdist worker) the next file must still see torch's default."""
     (tmp_path / "test_a_compiles.py").write_text(COMPILING_TEST)
     (tmp_path / "test_b_later.py").write_text(LATER_TEST)
@@ -122,19 +122,19 @@ import weakref
 
 import torch
 
-from training import runtime
+from training import deepspeed_engine, distributed
 {import_deepspeed}
 ENGINES = []
 
 
 def test_makes_an_engine_and_drops_it():
     gc.disable()  # from here only deliberate collections: not one that happens to come before the next test
-    runtime.setup_device_and_distributed(use_hpu=False, no_cuda=True)
+    distributed.setup_device_and_distributed(distributed.Job(), use_hpu=False, no_cuda=True)
     model = torch.nn.Linear(8, 8)
     config = {{"train_micro_batch_size_per_gpu": 2, "bf16": {{"enabled": True}}, "zero_optimization": {{"stage": 1}},
                "zero_allow_untested_optimizer": True}}
-    engine, _ = runtime.initialize_engine(model, config, torch.optim.AdamW(model.parameters()))
-    with runtime.destroyed_on_exit(engine):  # destroyed, as the driver destroys its own
+    engine, _ = deepspeed_engine.initialize_engine(model, config, torch.optim.AdamW(model.parameters()))
+    with deepspeed_engine.destroyed_on_exit(engine):  # destroyed, as the driver destroys its own
         engine.backward(engine(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum())
         engine.step()
     ENGINES.append(weakref.ref(engine))

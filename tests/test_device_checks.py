@@ -1,4 +1,4 @@
-"""Bad device set-ups are one error line before any work (training/runtime.py): a DS_ACCELERATOR that names
+"""Bad device set-ups are one error line before any work (training/device_setup.py): a DS_ACCELERATOR that names
 another device than the run's, more processes on a server than it has CUDA devices, bf16 on a CUDA device
 without it (training/hardware.py). The decisions are functions of their facts, tested here with those facts
 as arguments; what a CPU machine can reach is also run through the real entry points."""
@@ -9,7 +9,7 @@ import pytest
 
 import helpers
 from common.errors import HostInputError, InputError
-from training import hardware, runtime
+from training import device_setup, hardware
 from training.run_status import ExitStatus
 
 
@@ -52,7 +52,7 @@ ACCELERATOR_CASES = {
 
 @pytest.mark.parametrize("case", sorted(ACCELERATOR_CASES))
 def test_ds_accelerator_must_name_the_device_of_the_run(case):
-    assert_decision(runtime.check_accelerator_variable, *ACCELERATOR_CASES[case])
+    assert_decision(device_setup.check_accelerator_variable, *ACCELERATOR_CASES[case])
 
 
 @pytest.mark.parametrize("value", ["cuda", "hpu"])
@@ -76,8 +76,8 @@ def test_pretraining_with_a_ds_accelerator_of_another_device_is_one_error_line(t
 def test_fine_tuning_with_a_ds_accelerator_of_another_device_is_one_error_line(tmp_path, capsys, monkeypatch,
                                                                                entry_point):
     """The fine-tuning entry points pick the accelerator through finetune/finetuning.py's parse_arguments, which
-    calls the same runtime.choose_accelerator: the same line, before any input file is read (these do not
-    exist)."""
+    calls the same device_setup.choose_accelerator: the same line, before any input file is read (these do not
+         exist)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     missing = tmp_path / "missing"
     argv = ["--no_cuda", "--do_train", "--init_checkpoint", str(missing), "--vocab_file", str(missing),
@@ -108,14 +108,14 @@ CUDA_DEVICE_CASES = {
 @pytest.mark.parametrize("case", sorted(CUDA_DEVICE_CASES))
 def test_each_process_of_a_server_needs_a_cuda_device_of_its_own(case):
     """What setup_device_and_distributed checks before torch.cuda.set_device (no CUDA here to run it on)."""
-    assert_decision(runtime.check_cuda_devices, *CUDA_DEVICE_CASES[case])
+    assert_decision(device_setup.check_cuda_devices, *CUDA_DEVICE_CASES[case])
 
 
 def test_a_server_short_of_cuda_devices_is_that_servers_fault():
     """A HostInputError (no NO_RESTART_MARK): where one server has lost or hidden a GPU, the supervisor's host
     check decides whether the job goes on without it."""
     with pytest.raises(HostInputError):
-        runtime.check_cuda_devices(0, 8, 7)
+        device_setup.check_cuda_devices(0, 8, 7)
 
 
 V100 = "Tesla V100-SXM2-32GB (compute capability 7.0)"

@@ -28,7 +28,7 @@ import run_pretraining as rp
 from common.errors import NO_RESTART_MARK
 from finetune.hf_interop import to_transformers_config
 from modeling import BertConfig, BertForSequenceClassification, BertPretrainingCriterion
-from training import checkpointing, gaudi, runtime
+from training import checkpointing, deepspeed_engine, distributed, gaudi, init_weights
 from training.run_status import ExitStatus
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
@@ -177,7 +177,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)
     args = rp.parse_arguments(argv)
     ds_dict, model_config, _, _ = rp.validate_args(args, 1)
-    runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    distributed.setup_device_and_distributed(distributed.Job(), args.use_hpu, args.no_cuda, args.local_rank)
 
     def masters_and_steps():
         engine, optimizer = rp.build_engine(
@@ -190,7 +190,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
         return unchanged, [g["step"] for g in optimizer.param_groups], len(optimizer.state)
 
     assert masters_and_steps() == (True, [0, 0], 0)
-    monkeypatch.setattr(runtime, "optimizer_step_suppressed", lambda optimizer: nullcontext())
+    monkeypatch.setattr(deepspeed_engine, "optimizer_step_suppressed", lambda optimizer: nullcontext())
     unchanged, steps, _ = masters_and_steps()
     assert not unchanged and steps == [1, 1]
 
@@ -209,7 +209,7 @@ def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
     import deepspeed.ops
     ds_config = helpers.write_ds_config(tmp_path / "ds.json")
     args = rp.parse_arguments(helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config))
-    runtime.setup_device_and_distributed(args.use_hpu, args.no_cuda, args.local_rank)
+    distributed.setup_device_and_distributed(distributed.Job(), args.use_hpu, args.no_cuda, args.local_rank)
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
 
 
@@ -217,9 +217,9 @@ def test_shm_op_is_disabled_before_init_distributed(tmp_path, tiny_shards):
 # take a few rounds to settle its heap).
 PAGE_FAULT_PROBE = """
 import resource, sys, torch
-from training import runtime
+from training import device_setup
 if sys.argv[1] == "kept":
-    assert runtime.keep_freed_memory_in_process()
+    assert device_setup.keep_freed_memory_in_process()
 for _ in range(10):
     torch.empty(2 ** 24).fill_(1.0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -404,7 +404,7 @@ def test_a_stop_while_waiting_for_a_rank_that_never_comes_ends_the_rank_within_s
         process.kill()
     line = (f"rank 0 of 2: stop requested ({sent.name}) while waiting for the other ranks to join "
             f"(127.0.0.1:{port}): stopping before the first step")
-    assert elapsed < runtime.RENDEZVOUS_STOP_GRACE_S + 5, (elapsed, out[-2000:], err[-2000:])
+    assert elapsed < distributed.RENDEZVOUS_STOP_GRACE_S + 5, (elapsed, out[-2000:], err[-2000:])
     assert process.returncode == ExitStatus.STOPPED and line in out.splitlines(), (process.returncode, out[-2000:],
                                                                                    err[-2000:])
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -861,7 +861,7 @@ def test_init_checkpoint_of_another_config_names_what_does_not_fit(tmp_path, cha
     own = model.state_dict()
     reshaped = sum(saved[key].shape != own[key].shape for key in own.keys() & saved.keys())
     with pytest.raises(rp.InputError) as caught:
-        runtime.load_init_weights(model, tmp_path / "other.pt")
+        init_weights.load_init_weights(model, tmp_path / "other.pt")
     assert str(caught.value) == (f"--init_checkpoint {tmp_path / 'other.pt'} does not fit the model config (hidden "
                                  f"128, 2 layers, padded vocab 30528): {expected.format(reshaped=reshaped)}")
 
@@ -898,12 +898,11 @@ def test_unreadable_init_checkpoint_says_what_it_should_be(tmp_path):
     """One line of our own (what the file should be) with torch's reason after it, for any unreadable file;
     never a traceback, never torch's advice to load with weights_only=False."""
     from modeling import BertConfig, BertForPreTraining
-    from training import runtime
     model = BertForPreTraining(BertConfig.from_json_file(helpers.TINY_MODEL_CONFIG))
     reasons = set()
     for path in unreadable_weight_files(tmp_path / "files"):
         with pytest.raises(rp.InputError) as caught:
-            runtime.load_init_weights(model, path)
+            init_weights.load_init_weights(model, path)
         message = str(caught.value)
         assert "\n" not in message and len(message) < 700, message
         assert message.startswith(f"--init_checkpoint {path}: ") and "weights_only" not in message, message

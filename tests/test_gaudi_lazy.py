@@ -197,9 +197,9 @@ def test_lazy_mode_does_not_concern_compile_mode_off_the_hpu(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
     monkeypatch.syspath_prepend(str(FAKE_HABANA))
     forget_fake_bridge()
-    from training import runtime
-    runtime.check_compile_flags(True, None, None, use_hpu=False)
-    runtime.check_compile_flags(False, None, None, use_hpu=True)  # eager under lazy mode: the default
+    from training import compile_mode
+    compile_mode.check_compile_flags(True, None, None, use_hpu=False)
+    compile_mode.check_compile_flags(False, None, None, use_hpu=True)  # eager under lazy mode: the default
     assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
 
 
@@ -298,9 +298,9 @@ def test_an_unknown_lazy_mode_value_is_one_clear_error(recording_deepspeed):
 
 COMPILE_WITH_HPU = """
 import torch
-from training import runtime
+from training import compile_mode, device_setup
 
-runtime.choose_accelerator(use_hpu=True, no_cuda=False)  # what --use_hpu does before DeepSpeed's import
+device_setup.choose_accelerator(use_hpu=True, no_cuda=False)  # what --use_hpu does before DeepSpeed's import
 
 
 class Engine:  # DeepSpeedEngine.compile's one step, which needs an HPU to build the real engine
@@ -311,12 +311,12 @@ class Engine:  # DeepSpeedEngine.compile's one step, which needs an HPU to build
         self.module.compile(backend=backend, **compile_kwargs)
 
 
-print(runtime.compile_model(Engine(torch.nn.Linear(4, 4)), None, None))
+print(compile_mode.compile_model(Engine(torch.nn.Linear(4, 4)), None, None))
 """
 
 
 def test_compile_mode_on_an_hpu_asks_for_the_hpu_backend():
-    """runtime.compile_model with DeepSpeed's real HPU accelerator (built on the stand-in bridge) picks the
+    """compile_mode.compile_model with DeepSpeed's real HPU accelerator (built on the stand-in bridge) picks the
     bridge's registered hpu_backend. Not shown: the backend compiling a graph (nn.Module.compile did not call
     the stand-in backend in torch 2.13 here, even on a CPU module)."""
     env = helpers.launcher_env(PYTHONPATH=os.pathsep.join([str(helpers.REPO_ROOT), str(FAKE_HABANA)]))

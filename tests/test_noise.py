@@ -15,7 +15,7 @@ import torch
 import helpers
 from data.glue_sample import write_sst2_rule_task
 from helpers import REPO_ROOT
-from training import runtime
+from training import progress_display
 
 ENTRY_POINTS = ["run_pretraining.py", "run_squad.py", "run_glue.py"]
 
@@ -101,8 +101,8 @@ def test_the_filter_keeps_every_other_line_and_shortens_each_kind_of_rank_exit()
 
 
 def test_deepspeeds_gather_shows_no_deprecation_line_and_other_warnings_still_show(tmp_path):
-    script = ("import warnings, torch\nfrom training import runtime\n"
-              "runtime.setup_device_and_distributed(use_hpu=False, no_cuda=True)\n"
+    script = ("import warnings, torch\nfrom training import distributed\n"
+              "distributed.setup_device_and_distributed(distributed.Job(), use_hpu=False, no_cuda=True)\n"
               "out = torch.zeros(2)\n"
               "torch.distributed.all_gather_into_tensor(out, torch.ones(2))  # as DeepSpeed's comm falls through to\n"
               "warnings.warn('another deprecation', FutureWarning)\n"
@@ -137,20 +137,20 @@ def test_progress_is_tqdms_bar_on_a_terminal_and_plain_lines_elsewhere():
     from tqdm import tqdm
     main_fd, terminal_fd = os.openpty()
     with os.fdopen(terminal_fd, "w") as terminal:
-        bar = runtime.progress_bar(True, 12, 2, "steps", 5, terminal)
+        bar = progress_display.progress_bar(True, 12, 2, "steps", 5, terminal)
         assert isinstance(bar, tqdm) and not bar.disable
         bar.close()
     os.close(main_fd)
     for steps, expected in ((9, [(5, 12, 42), (10, 12, 83), (11, 12, 92)]),  # a stop at 11
                             (10, [(5, 12, 42), (10, 12, 83), (12, 12, 100)])):
         log = io.StringIO()
-        progress = runtime.progress_bar(True, 12, 2, "steps", 5, log)
+        progress = progress_display.progress_bar(True, 12, 2, "steps", 5, log)
         for _ in range(steps):
             progress.update(1)
         progress.close()
         assert progress_lines(log.getvalue(), "steps") == expected
         assert len(log.getvalue().splitlines()) == len(expected)
-    hidden = runtime.progress_bar(False, 12, 2, "steps", 5, io.StringIO())
+    hidden = progress_display.progress_bar(False, 12, 2, "steps", 5, io.StringIO())
     assert isinstance(hidden, tqdm) and hidden.disable
 
 

@@ -164,8 +164,8 @@ def test_a_peer_killed_during_a_send_ends_rank_0_within_seconds_only_with_the_wa
 @pytest.mark.parametrize("task", ["slow-clean-up", "slow-clean-up-watching"])
 def test_a_rank_that_stops_the_watch_before_a_long_clean_up_keeps_its_own_error_line(task):
     """Every rank meets the same error and rank 1 exits at once; rank 0's clean-up outlasts the grace. With
-    runtime.stop_watching_peers first (run_pretraining.py, before its wait for a checkpoint copy) rank 0 ends
-    with its own line; the negative control, which keeps watching, takes rank 1's exit for a death."""
+    training/distributed.Job.stop_watching_peers first (run_pretraining.py, before its wait for a checkpoint copy)
+    rank 0 ends with its own line; the negative control, which keeps watching, takes rank 1's exit for a death."""
     ranks = start_pair("watch", 60, task)
     try:
         statuses = [rank.wait(timeout=60) for rank in ranks]

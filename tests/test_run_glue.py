@@ -23,7 +23,7 @@ from finetune_helpers import (
     write_sst2_rule_task,
 )
 from modeling import BertConfig
-from training import checkpointing, runtime
+from training import checkpointing, deepspeed_engine
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -254,14 +254,14 @@ def test_the_engine_is_freed_when_main_returns(tmp_path, monkeypatch):
     alive until engine.destroy(); without it each in-process run kept them (59 MiB per tiny run, measured with
     gc). Checked independently of the code under test: a weak reference to the engine is dead after a garbage
     collection."""
-    engines, initialize_engine = [], runtime.initialize_engine
+    engines, initialize_engine = [], deepspeed_engine.initialize_engine
 
     def initialize_engine_recorded(*args, **kwargs):
         engine, optimizer = initialize_engine(*args, **kwargs)
         engines.append(weakref.ref(engine))
         return engine, optimizer
 
-    monkeypatch.setattr(runtime, "initialize_engine", initialize_engine_recorded)
+    monkeypatch.setattr(deepspeed_engine, "initialize_engine", initialize_engine_recorded)
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
                               "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}))

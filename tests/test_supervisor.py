@@ -68,14 +68,14 @@ def test_budget_counts_restarts_in_the_window_and_identical_failures():
 
 def test_lines_of_ranks_printing_at_once_stay_whole():
     """Two unbuffered processes (as the deepspeed launcher starts ranks) that have called
-    runtime.write_whole_lines (run_cli does) each print the same final error line on stderr and a checkpoint
+    command_line.write_whole_lines (run_cli does) each print the same final error line on stderr and a checkpoint
     line on stdout 10,000 times, from the same instant, into one pipe: every line is one of the two, whole.
     (Without the call, plain print() under `python -u`:
     in a scratch run of two processes printing one line 20,000 times each into one pipe, 4,123 of the 40,000
     lines held two texts.)"""
     text = f"--input_dir /data: no shards{NO_RESTART_MARK}"
     start_at = time.time() + 10  # both have imported torch by then
-    code = (f"import sys, time\nfrom training.runtime import write_whole_lines\nwrite_whole_lines()\n"
+    code = (f"import sys, time\nfrom training.command_line import write_whole_lines\nwrite_whole_lines()\n"
             f"while time.time() < {start_at}: pass\n"
             f"for _ in range(10000):\n"
             f"    print('error: ' + {text!r}, file=sys.stderr, flush=True)\n"

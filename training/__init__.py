@@ -1,4 +1,5 @@
-"""The pretraining runtime under the entry points: device and DeepSpeed set-up (runtime), checkpoints and
-resume (checkpointing), ZeRO partitions, sizing and device facts, Gaudi's graph cuts, the dllogger fallback,
-the launchers' preflight and supervisor, and what a run tells the supervisor (run_status). It imports the
-model (modeling, lans) and common/, never an entry point, fine-tuning or data/."""
+"""The pretraining runtime under the entry points: the command line (command_line), device (device_setup), process
+group (distributed), DeepSpeed engine (deepspeed_engine), compile mode, initial weights, log, profiler and progress
+display, checkpoints and resume (checkpointing), ZeRO partitions, sizing and device facts, Gaudi's graph cuts, the
+dllogger fallback, the launchers' preflight and supervisor, and what a run tells the supervisor (run_status). It
+imports the model (modeling, lans) and common/, never an entry point, fine-tuning or data/."""
