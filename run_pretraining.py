@@ -42,6 +42,8 @@ from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from schedulers import PolyWarmUpScheduler
 from training import (
+    checkpoint_resume,
+    checkpoint_s3,
     checkpointing,
     command_line,
     compile_mode,
@@ -278,7 +280,7 @@ def validate_args(args, world_size: int) -> tuple:
 
 
 def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_last_n: int, *,
-                   resuming: bool) -> checkpointing.CheckpointUploader:
+                   resuming: bool) -> checkpoint_s3.CheckpointUploader:
     """Checkpoint copies for an s3:// --output_dir `url`: the prefix must be writable (checked by rank 0) and
     empty unless resuming; checkpoints are staged in <cache_dir (--s3_cache_dir)>/checkpoints."""
     store = storage.S3Store(url, endpoint_url)
@@ -287,7 +289,7 @@ def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_las
     if not resuming and any(not remote.name.startswith(storage.WRITE_PROBE_PREFIX)
                             for remote in store.list_objects(recursive=True)):
         raise InputError(f"--output_dir {url} is not empty: pass --resume_from_checkpoint or use an empty prefix")
-    return checkpointing.CheckpointUploader(store, cache_dir / "checkpoints", keep_last_n)
+    return checkpoint_s3.CheckpointUploader(store, cache_dir / "checkpoints", keep_last_n)
 
 
 def open_shard_files(input_dir: str, endpoint_url: str | None, cache_dir: str,
@@ -467,7 +469,7 @@ def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: to
         raise InputError(f"--resume_step {tag}: {output_dir} holds no checkpoint {tag}")
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     # The model config is checked before DeepSpeed loads anything, for a --resume_step tag too.
-    client, rank_state = checkpointing.load_checkpoint(engine, checkpoint_dir, tag, rank, world,
+    client, rank_state = checkpoint_resume.load_checkpoint(engine, checkpoint_dir, tag, rank, world,
                                                        model_config=config.to_dict(), say=say)
     # Checkpoints from before the streak was saved lack it: such a resume counts the streak from 0.
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
@@ -595,7 +597,7 @@ class Run:
     epoch_size: int
     data_layout: dict
     checkpoint_dir: Path  # where checkpoints are written: --output_dir, or the staging dir of an s3:// one
-    copies: checkpointing.CheckpointUploader | None  # for an s3:// --output_dir
+    copies: checkpoint_s3.CheckpointUploader | None  # for an s3:// --output_dir
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
     graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (training/gaudi.py); else none
@@ -817,7 +819,7 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
 
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
-              copies: checkpointing.CheckpointUploader | None, stop_event: threading.Event,
+              copies: checkpoint_s3.CheckpointUploader | None, stop_event: threading.Event,
               status_file: run_status.StatusFile, job: distributed.Job, *,
               clock: Callable[[], float],
               criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,

@@ -56,6 +56,8 @@ from modeling import BertConfig, BertForQuestionAnswering, BertForTokenClassific
 from optimization import get_parameter_groups
 from schedulers import LinearWarmUpScheduler
 from training import (
+    checkpoint_resume,
+    checkpoint_s3,
     checkpointing,
     command_line,
     compile_mode,
@@ -282,10 +284,10 @@ def fetch_s3_checkpoint(url: str, local: Path) -> Path:
     """The checkpoint of a run_pretraining.py s3:// output (the one resume would use) or of one tag of it
     (s3://bucket/prefix/<tag>), downloaded and verified into `local`; returns its tag directory."""
     try:
-        tag = checkpointing.fetch_checkpoint(storage.S3Store(url), local)
+        tag = checkpoint_s3.fetch_checkpoint(storage.S3Store(url), local)
         if tag is None:  # not a run's prefix: the URL may name one tag of it
             parent, _, name = url.rstrip("/").rpartition("/")
-            tag = checkpointing.fetch_checkpoint(storage.S3Store(parent), local, name)
+            tag = checkpoint_s3.fetch_checkpoint(storage.S3Store(parent), local, name)
     except (storage.StorageError, checkpointing.CheckpointError) as err:
         raise InputError(f"--init_checkpoint {url}: {err}") from err
     return local / tag
@@ -592,7 +594,7 @@ def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
         session.say(f"no checkpoint in {directory}: starting from step 0")
         return 0
     schedule = engine.lr_scheduler.state_dict()
-    client, rank_state = checkpointing.load_checkpoint(engine, directory, tag, session.rank, session.world)
+    client, rank_state = checkpoint_resume.load_checkpoint(engine, directory, tag, session.rank, session.world)
     if rank_state is None:  # resuming fine-tuning on another world size is untested: keep refusing it
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {directory} was written by another number of "
                                             f"ranks than this run's {session.world}; resume fine-tuning on that number")

@@ -36,6 +36,7 @@ import torch
 from common.atomic_write import atomic_path, write_text_atomically
 from common.errors import InputError, one_line
 from modeling import LAYER_NORM_EPS, TRANSFORMERS_ONLY_KEYS, BertConfig
+from training import checkpoint_export
 
 # The pre-LN export's weights, transformers' name for the variant "pre_ln" (hf_modeling_pre_ln.WEIGHTS_VARIANT).
 PRE_LN_WEIGHT_FILE = "model.pre_ln.safetensors"
@@ -253,7 +254,7 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atte
 def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkpoint") -> tuple:
     """(BertConfig, weights in our names and shapes) from a run_pretraining.py output or tag directory (any
     ZeRO stage and world size, consolidated), a Hugging Face directory, or a state-dict file (the export of
-    training/checkpointing.py; it records no config, so config_file is needed). With config_file, the model is that
+    training/checkpoint_export.py; it records no config, so config_file is needed). With config_file, the model is that
     config (its dropout may differ) and the source must have its architecture."""
     from training import checkpointing
 
@@ -267,7 +268,7 @@ def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkp
         output_dir, tag = (source.parent, source.name) if (source / checkpointing.MANIFEST_NAME).exists() \
             else (source, None)
         try:
-            model_config, weights = checkpointing.consolidated_checkpoint(output_dir, tag)
+            model_config, weights = checkpoint_export.consolidated_checkpoint(output_dir, tag)
         except checkpointing.CheckpointError as err:
             raise InputError(f"{flag} {source}: {err}") from err
         recorded = BertConfig.from_dict(model_config)
@@ -318,8 +319,7 @@ def main(argv=None) -> int:
     export.add_argument("--do_lower_case", action="store_true", help="the vocab is uncased")
     export.add_argument("--output_dir", required=True, help="new directory to write")
     args = parser.parse_args(argv)
-    from training import checkpointing
-    checkpointing.read_on_the_cpu()
+    checkpoint_export.read_on_the_cpu()
     try:
         config, weights = read_pretrained_weights(args.checkpoint, args.config_file, flag="--checkpoint")
         loadable = export_directory(weights, config, args.vocab_file, args.do_lower_case, args.output_dir)

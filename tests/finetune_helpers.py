@@ -9,7 +9,7 @@ import torch
 
 import helpers
 from data.glue_sample import RULE_WORD, book_sentences, rule_labelled_sentences, write_sst2_rule_task  # noqa: F401
-from training import checkpointing
+from training import checkpoint_export
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO_ROOT / "scripts" / "bert_tiny_config.json"
@@ -36,7 +36,7 @@ def run_on_one_and_two_ranks(tmp_path, script, argv_for, outputs) -> dict:
         assert result.returncode == 0, result.stderr[-3000:]
         records = helpers.read_dllogger(out / "dllogger.json")
         results[ranks] = {"losses": [r["data"]["step_loss"] for r in records if "step_loss" in r["data"]],
-                          "weights": checkpointing.consolidated_state_dict(out / "checkpoints"),
+                          "weights": checkpoint_export.consolidated_state_dict(out / "checkpoints"),
                           "outputs": outputs(out)}
     return results
 

@@ -1,4 +1,4 @@
-"""Checkpoint copies on S3 (training/checkpointing.py's S3 section) against a real S3 server (moto_server).
+"""Checkpoint copies on S3 (training/checkpoint_s3.py) against a real S3 server (moto_server).
 
 Checkpoints here are small directories committed by checkpointing.commit_checkpoint (manifest and
 `latest` as a real save writes them); the end-to-end runs of the driver are in test_s3_training.py."""
@@ -10,7 +10,7 @@ import torch
 
 import s3_helpers
 from common import storage
-from training import checkpointing
+from training import checkpoint_export, checkpoint_s3, checkpointing
 
 
 def save_local(output_dir: Path, tag: str, world: int = 2, size: int = 1000) -> None:
@@ -46,7 +46,7 @@ def test_upload_commits_files_then_manifest_then_latest(tmp_path, remote):
     save_local(tmp_path / "local", "4")
     log = RequestLog()
     remote.client.meta.events.register("before-send.s3", log)
-    checkpointing.upload_checkpoint(remote, tmp_path / "local", "4")
+    checkpoint_s3.upload_checkpoint(remote, tmp_path / "local", "4")
     writes = [key for operation, key in log.requests if operation in ("PutObject", "CreateMultipartUpload")]
     assert writes[-2:] == ["run1/4/complete.json", "run1/latest"]
     assert sorted(writes[:-2]) == ["run1/4/mp_rank_00_model_states.pt", "run1/4/state_0.pt", "run1/4/state_1.pt"]
@@ -56,8 +56,8 @@ def test_upload_commits_files_then_manifest_then_latest(tmp_path, remote):
 def test_fetch_downloads_what_latest_names(tmp_path, remote):
     for tag in ("2", "4"):
         save_local(tmp_path / "local", tag)
-        checkpointing.upload_checkpoint(remote, tmp_path / "local", tag)
-    assert checkpointing.fetch_checkpoint(remote, tmp_path / "fetched") == "4"
+        checkpoint_s3.upload_checkpoint(remote, tmp_path / "local", tag)
+    assert checkpoint_s3.fetch_checkpoint(remote, tmp_path / "fetched") == "4"
     assert checkpointing.find_resume_tag(tmp_path / "fetched") == "4"
     assert sorted(p.name for p in (tmp_path / "fetched" / "4").iterdir()) == \
         sorted(p.name for p in (tmp_path / "local" / "4").iterdir())
@@ -68,7 +68,7 @@ def test_fetch_downloads_what_latest_names(tmp_path, remote):
 def test_fetch_falls_back_to_the_newest_complete_checkpoint(tmp_path, remote, damage):
     for tag in ("2", "4", "6"):
         save_local(tmp_path / "local", tag)
-        checkpointing.upload_checkpoint(remote, tmp_path / "local", tag)
+        checkpoint_s3.upload_checkpoint(remote, tmp_path / "local", tag)
     if damage == "no_manifest":
         remote.delete(["6/complete.json"])
     elif damage == "missing_file":
@@ -77,26 +77,26 @@ def test_fetch_falls_back_to_the_newest_complete_checkpoint(tmp_path, remote, da
         remote.put_bytes("6/state_1.pt", b"short")
     with pytest.warns(checkpointing.CheckpointWarning, match=r"`latest` names checkpoint '6'.*newest complete "
                                                               r"checkpoint '4'"):
-        assert checkpointing.fetch_checkpoint(remote, tmp_path / "fetched") == "4"
+        assert checkpoint_s3.fetch_checkpoint(remote, tmp_path / "fetched") == "4"
 
 
 def test_fetch_of_an_empty_prefix_is_none_and_of_a_missing_tag_an_error(tmp_path, remote):
-    assert checkpointing.fetch_checkpoint(remote, tmp_path / "fetched") is None
+    assert checkpoint_s3.fetch_checkpoint(remote, tmp_path / "fetched") is None
     with pytest.raises(checkpointing.CheckpointError, match=r"no complete checkpoint '8' in s3://.*/run1"):
-        checkpointing.fetch_checkpoint(remote, tmp_path / "fetched", tag="8")
+        checkpoint_s3.fetch_checkpoint(remote, tmp_path / "fetched", tag="8")
 
 
 def test_prune_deletes_on_s3_and_keeps_latest(tmp_path, remote):
     for tag in ("2", "4", "6", "8"):
         save_local(tmp_path / "local", tag)
-        checkpointing.upload_checkpoint(remote, tmp_path / "local", tag)
+        checkpoint_s3.upload_checkpoint(remote, tmp_path / "local", tag)
     remote.put_bytes("latest", b"2")  # as after a resume from 2: latest is never pruned
-    assert checkpointing.prune_remote_checkpoints(remote, 2) == ["4"]
+    assert checkpoint_s3.prune_remote_checkpoints(remote, 2) == ["4"]
     assert sorted({o.name.split("/")[0] for o in remote.list_objects(recursive=True)}) == ["2", "6", "8", "latest"]
 
 
 def test_uploader_runs_in_the_background_and_keeps_the_newest_local_copy(tmp_path, remote):
-    uploader = checkpointing.CheckpointUploader(remote, tmp_path / "local", keep_last_n=2)
+    uploader = checkpoint_s3.CheckpointUploader(remote, tmp_path / "local", keep_last_n=2)
     for tag in ("2", "4", "6"):
         save_local(tmp_path / "local", tag)
         uploader.start(tag)
@@ -107,7 +107,7 @@ def test_uploader_runs_in_the_background_and_keeps_the_newest_local_copy(tmp_pat
 
 def test_failed_upload_stops_with_one_line_and_latest_names_a_complete_checkpoint(tmp_path, remote):
     """The server answers 503 SlowDown from the second write of checkpoint 4 on, for good."""
-    uploader = checkpointing.CheckpointUploader(remote, tmp_path / "local")
+    uploader = checkpoint_s3.CheckpointUploader(remote, tmp_path / "local")
     save_local(tmp_path / "local", "2")
     uploader.start("2")
     uploader.finish("cpu")
@@ -122,14 +122,14 @@ def test_failed_upload_stops_with_one_line_and_latest_names_a_complete_checkpoin
     assert str(info.value).startswith(f"checkpoint 4 was not copied to {remote.url()}: cannot upload ")
     assert "SlowDown (HTTP 503) after 4 attempts" in str(info.value) and "\n" not in str(info.value)
     assert remote.get_bytes("latest") == b"2"
-    assert checkpointing.fetch_checkpoint(remote, tmp_path / "fetched") == "2"
+    assert checkpoint_s3.fetch_checkpoint(remote, tmp_path / "fetched") == "2"
     assert (tmp_path / "local" / "4").is_dir()  # the local copy stays (the copy failed)
 
 
 def staged_run_cut_short(remote, staging: Path) -> None:
     """A run on `remote` staging in `staging`: checkpoint 10 copied to S3, then checkpoint 20 saved complete
     but its copy cut short after one file (a preemption's last save, then SIGKILL)."""
-    run = checkpointing.CheckpointUploader(remote, staging)
+    run = checkpoint_s3.CheckpointUploader(remote, staging)
     run.prepare("cpu", resume=False)
     save_local(staging, "10")
     run.start("10")
@@ -143,13 +143,13 @@ def test_resume_copies_a_complete_staged_checkpoint_that_s3_lacks_and_resumes_fr
     staged_run_cut_short(remote, staging)
     staged_files = {p.name: p.read_bytes() for p in (staging / "20").iterdir()}
     said = []
-    checkpointing.CheckpointUploader(remote, staging).prepare("cpu", resume=True, say=said.append)
+    checkpoint_s3.CheckpointUploader(remote, staging).prepare("cpu", resume=True, say=said.append)
     assert said == [f"checkpoint 20 in {staging} is complete but its copy to {remote.url()} was cut short: "
                     "uploading it now, then resuming from it"]
-    assert sorted(p.name for p in staging.iterdir()) == [checkpointing.STAGING_PREFIX_NAME, "20", "latest"]
+    assert sorted(p.name for p in staging.iterdir()) == [checkpoint_s3.STAGING_PREFIX_NAME, "20", "latest"]
     assert checkpointing.find_resume_tag(staging) == "20"
     assert {p.name: p.read_bytes() for p in (staging / "20").iterdir()} == staged_files
-    assert checkpointing.fetch_checkpoint(remote, tmp_path / "fetched") == "20"  # complete on S3, `latest` too
+    assert checkpoint_s3.fetch_checkpoint(remote, tmp_path / "fetched") == "20"  # complete on S3, `latest` too
     assert {p.name: p.read_bytes() for p in (tmp_path / "fetched" / "20").iterdir()} == staged_files
 
 
@@ -162,27 +162,27 @@ def test_a_staged_checkpoint_is_not_copied_when_resume_should_not_use_it(tmp_pat
     staged_run_cut_short(other_prefix if case == "other_prefix" else remote, staging)
     if case == "other_prefix":
         save_local(tmp_path / "elsewhere", "10")
-        checkpointing.upload_checkpoint(remote, tmp_path / "elsewhere", "10")
+        checkpoint_s3.upload_checkpoint(remote, tmp_path / "elsewhere", "10")
     if case == "s3_has_newer":
         save_local(tmp_path / "elsewhere", "30")
-        checkpointing.upload_checkpoint(remote, tmp_path / "elsewhere", "30")
+        checkpoint_s3.upload_checkpoint(remote, tmp_path / "elsewhere", "30")
     if case == "no_prefix_recorded":
-        (staging / checkpointing.STAGING_PREFIX_NAME).unlink()
+        (staging / checkpoint_s3.STAGING_PREFIX_NAME).unlink()
     said = []
-    checkpointing.CheckpointUploader(remote, staging).prepare("cpu", resume=case != "not_resuming", say=said.append)
+    checkpoint_s3.CheckpointUploader(remote, staging).prepare("cpu", resume=case != "not_resuming", say=said.append)
     expected = {"s3_has_newer": "30", "not_resuming": None}.get(case, "10")
     assert said == []
     assert sorted(p.name for p in staging.iterdir()) == \
-        [checkpointing.STAGING_PREFIX_NAME] + ([expected, "latest"] if expected else [])
+        [checkpoint_s3.STAGING_PREFIX_NAME] + ([expected, "latest"] if expected else [])
     assert not remote.exists(f"20/{checkpointing.MANIFEST_NAME}")
 
 
 def test_export_reads_from_s3(tmp_path, remote, monkeypatch):
     save_local(tmp_path / "local", "2", world=1)
-    checkpointing.upload_checkpoint(remote, tmp_path / "local", "2")
-    assert checkpointing.export_main(["export", "--output_dir", remote.url(), "--out", str(tmp_path / "w.pt")]) == 0
+    checkpoint_s3.upload_checkpoint(remote, tmp_path / "local", "2")
+    assert checkpoint_export.export_main(["export", "--output_dir", remote.url(), "--out", str(tmp_path / "w.pt")]) == 0
     assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.full((1000,), 2.0))
-    status = checkpointing.export_main(["export", "--output_dir", remote.url("nothing"), "--out",
+    status = checkpoint_export.export_main(["export", "--output_dir", remote.url("nothing"), "--out",
                                         str(tmp_path / "x.pt")])
     assert status == 1 and not (tmp_path / "x.pt").exists()
 

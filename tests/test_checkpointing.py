@@ -1,4 +1,5 @@
-"""Unit tests of training/checkpointing.py on a real DeepSpeed engine (CPU, gloo, one process).
+"""Unit tests of the checkpoints (training/checkpointing.py, checkpoint_resume.py, checkpoint_export.py) on a real
+DeepSpeed engine (CPU, gloo, one process).
 
 The engine wraps a tiny MLP, so each test costs about a second; the model and the data are made here.
 Round trips cannot pass by accident: the engine that loads starts from other weights (another seed)
@@ -21,7 +22,7 @@ import torch
 
 import helpers
 from helpers import init_single_process_group, read_only
-from training import checkpointing
+from training import checkpoint_export, checkpoint_resume, checkpointing
 from training.checkpointing import CheckpointError, CheckpointWarning
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -120,7 +121,7 @@ def test_round_trip_continues_exactly(tmp_path, stage, bf16):
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
-    state, rank_state = checkpointing.load_checkpoint(loader, tmp_path, "3", global_rank=0, world_size=1)
+    state, rank_state = checkpoint_resume.load_checkpoint(loader, tmp_path, "3", global_rank=0, world_size=1)
 
     assert state == client_state(3)
     assert_tensors_equal(weights(loader), saved_weights)
@@ -216,7 +217,7 @@ def test_resave_replaces_leftover_directory(tmp_path):
     save(engine, tmp_path, 3)
     assert not (stale / "junk.bin").exists()
     assert checkpointing.find_resume_tag(tmp_path) == "3"
-    checkpointing.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0, 1)
+    checkpoint_resume.load_checkpoint(make_engine(seed=1), tmp_path, "3", 0, 1)
 
 
 def record_fsyncs(monkeypatch) -> list:
@@ -302,7 +303,7 @@ def test_missing_rank_file_falls_back(two_checkpoints):
     (two_checkpoints / "4" / "state_0.pt").unlink()
     assert resume_with_warning(two_checkpoints, r"state_0\.pt listed in complete\.json is missing") == "2"
     with pytest.raises(CheckpointError, match="state_0.pt"):
-        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0, 1)
+        checkpoint_resume.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0, 1)
 
 
 def test_truncated_file_falls_back(two_checkpoints):
@@ -330,7 +331,7 @@ def test_another_world_size_needs_the_same_kind_of_optimizer_layout(two_checkpoi
     before = [p.detach().clone() for p in engine.module.parameters()]
     with pytest.raises(CheckpointError, match=r"written with ZeRO stage 1 by 1 ranks; this run has 2 ranks and "
                                               r"ZeRO stage 0: .*between ZeRO-1/2 layouts or between ZeRO-0"):
-        checkpointing.load_checkpoint(engine, two_checkpoints, "4", global_rank=0, world_size=2)
+        checkpoint_resume.load_checkpoint(engine, two_checkpoints, "4", global_rank=0, world_size=2)
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
 
 
@@ -375,7 +376,7 @@ def assert_previous_intact(out):
     assert (out / "latest").read_text() == "4"
     assert checkpointing.find_resume_tag(out, MODEL_CONFIG) == "4"
     assert not [p for p in out.rglob("*") if ".tmp." in p.name]
-    state, _ = checkpointing.load_checkpoint(make_engine(seed=1, stage=1), out, "4", 0, 1)
+    state, _ = checkpoint_resume.load_checkpoint(make_engine(seed=1, stage=1), out, "4", 0, 1)
     assert state["global_step"] == 4
 
 
@@ -495,7 +496,7 @@ def test_pickled_code_in_checkpoint_is_refused(two_checkpoints, tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     assert checkpointing.find_resume_tag(two_checkpoints, MODEL_CONFIG) == "4"
     with pytest.raises(CheckpointError, match=r"refusing to unpickle .*getattr"):
-        checkpointing.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0, 1)
+        checkpoint_resume.load_checkpoint(make_engine(seed=1, stage=1), two_checkpoints, "4", 0, 1)
     assert not marker.exists()
     torch.load(path, weights_only=False)  # negative control: plain pickle does run it
     assert marker.exists()
@@ -508,7 +509,7 @@ def test_consolidated_state_dict(tmp_path, stage, bf16):
     engine = make_engine(seed=0, stage=stage, bf16=bf16)
     train(engine, 2)
     save(engine, tmp_path, 2)
-    weights = checkpointing.consolidated_state_dict(tmp_path)
+    weights = checkpoint_export.consolidated_state_dict(tmp_path)
     module = {k: v.detach() for k, v in engine.module.state_dict().items()}
     assert weights.keys() == module.keys()
     assert all(v.dtype == torch.float32 for v in weights.values())
@@ -543,5 +544,5 @@ def test_a_flat_range_is_read_from_the_pieces_that_overlap_it():
     for start in range(whole.numel()):
         for end in range(start, whole.numel() + 1):
             out = torch.full((end - start,), float("nan"))
-            checkpointing._read_flat_range(pieces, start, out)
+            checkpoint_resume._read_flat_range(pieces, start, out)
             assert torch.equal(out, whole[start:end]), (start, end)

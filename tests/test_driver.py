@@ -28,7 +28,7 @@ import run_pretraining as rp
 from common.errors import NO_RESTART_MARK
 from finetune.hf_interop import to_transformers_config
 from modeling import BertConfig, BertForSequenceClassification, BertPretrainingCriterion
-from training import checkpointing, deepspeed_engine, distributed, gaudi, init_weights
+from training import checkpoint_export, checkpointing, deepspeed_engine, distributed, gaudi, init_weights
 from training.run_status import ExitStatus
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
@@ -71,7 +71,7 @@ class PoisonedCriterion(BertPretrainingCriterion):
 
 def saved_lans_state(output_dir, tag) -> dict:
     """LANS's state dict in checkpoint <output_dir>/<tag> (under ZeRO-1/2, rank 0's, inside DeepSpeed's)."""
-    state = checkpointing.saved_optimizer_states(output_dir, tag)[0]
+    state = checkpoint_export.saved_optimizer_states(output_dir, tag)[0]
     return state.get("base_optimizer_state", state)
 
 
@@ -272,7 +272,7 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path, tiny_shards, stage, 
     assert [r["data"]["skipped_steps"] for r in helpers.step_records(json_summary)] == [0, 1, 2, 2, 2]
     # Only the 3 good steps reached LANS, and no NaN reached the weights (the final checkpoint's).
     assert saved_lans_steps(output_dir, "5") == [3, 3]
-    assert all(torch.isfinite(w).all() for w in checkpointing.consolidated_state_dict(output_dir, "5").values())
+    assert all(torch.isfinite(w).all() for w in checkpoint_export.consolidated_state_dict(output_dir, "5").values())
 
 
 def test_skipped_steps_do_not_count_as_loss_zero_in_the_averages(tmp_path, tiny_shards):

@@ -211,7 +211,7 @@ def user_environment() -> dict:
 def test_the_exports_show_no_deepspeed_accelerator_line(pretraining_run, tmp_path):
     """Both exports of a DeepSpeed checkpoint print their one `wrote ...` line and nothing else: DeepSpeed, imported
     for the checkpoint's classes, printed 'Setting accelerator to CPU. If you have GPU or other accelerator, we
-    were unable to detect it.' (training/checkpointing.py, read_on_the_cpu)."""
+    were unable to detect it.' (training/checkpoint_export.py, read_on_the_cpu)."""
     checkpoints, _ = pretraining_run
     for command in (["-m", "training.checkpointing", "export", "--output_dir", checkpoints, "--out", tmp_path / "w.pt"],
                     ["-m", "finetune.hf_interop", "export", "--checkpoint", checkpoints, "--vocab_file",

@@ -23,7 +23,7 @@ from finetune_helpers import (
     write_sst2_rule_task,
 )
 from modeling import BertConfig
-from training import checkpointing, deepspeed_engine
+from training import checkpoint_export, checkpointing, deepspeed_engine
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -331,8 +331,8 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
     assert resumed["global_step"] == 6 and not resumed["stopped_by_signal"]
     # It continued from step 3: a run started again from step 0 would end with the same weights too.
     assert "6 steps, resumed at step 3" in capsys.readouterr().out
-    straight = checkpointing.consolidated_state_dict(tmp_path / "straight" / "checkpoints")
-    after_resume = checkpointing.consolidated_state_dict(tmp_path / "resumed" / "checkpoints")
+    straight = checkpoint_export.consolidated_state_dict(tmp_path / "straight" / "checkpoints")
+    after_resume = checkpoint_export.consolidated_state_dict(tmp_path / "resumed" / "checkpoints")
     for key, value in straight.items():
         torch.testing.assert_close(after_resume[key], value, rtol=0, atol=0, msg=key)
     straight_steps, resumed_steps = (helpers.step_records(tmp_path / name / "dllogger.json")
@@ -402,7 +402,7 @@ def test_every_weight_source_gives_the_same_encoder(tmp_path, pretrained_tiny_ch
     (+ --config_file) and our pre-LN `python -m finetune.hf_interop export` directory all give the same weights."""
     from finetune.finetuning import load_pretrained
 
-    assert checkpointing.export_main(["export", "--output_dir", str(pretrained_tiny_checkpoint),
+    assert checkpoint_export.export_main(["export", "--output_dir", str(pretrained_tiny_checkpoint),
                                       "--out", str(tmp_path / "model.pt")]) == 0
     assert hf_interop.main(["export", "--checkpoint", str(pretrained_tiny_checkpoint), "--vocab_file", str(VOCAB),
                             "--do_lower_case", "--output_dir", str(tmp_path / "hf")]) == 0
@@ -428,7 +428,7 @@ def test_bf16_with_each_zero_stage_trains_and_saves(tmp_path, stage):
     summary = run_glue.main(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, max_steps=3, max_seq_length=32,
                                       train_batch_size=None, deepspeed=True, deepspeed_config=ds_config))
     assert summary["global_step"] == 3 and 0 < summary["final_loss"] < 5 and 0 <= summary["acc"] <= 1
-    weights = checkpointing.consolidated_state_dict(tmp_path / "out" / "checkpoints")
+    weights = checkpoint_export.consolidated_state_dict(tmp_path / "out" / "checkpoints")
     assert weights["classifier.weight"].shape == (2, 128) and weights["classifier.weight"].dtype == torch.float32
 
 

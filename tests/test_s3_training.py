@@ -21,7 +21,7 @@ import test_resume  # (the driver under its kill wrapper, losses and checkpoint 
 from common import storage
 from data.shard_format import SHARD_KEYS
 from finetune import finetuning
-from training import checkpointing
+from training import checkpoint_export, checkpoint_s3
 
 DATA_TOOL = helpers.REPO_ROOT / "data" / "create_pretraining_data.py"
 
@@ -97,7 +97,7 @@ def s3_args(tmp_path, input_dir, output_dir, config, log, steps, **flags):
 def fetched(output_url: str, tmp_path: Path, tag=None) -> Path:
     """The checkpoint on S3 that resume would use (or `tag`), downloaded; returns its directory."""
     local = tmp_path / f"fetched_{tag}"
-    got = checkpointing.fetch_checkpoint(storage.S3Store(output_url), local, tag)
+    got = checkpoint_s3.fetch_checkpoint(storage.S3Store(output_url), local, tag)
     return local / got
 
 
@@ -128,7 +128,7 @@ def test_training_from_s3_with_retried_faults_and_a_small_cache_matches_local(tm
     cache = storage.server_cache_dir(tmp_path / "s3_cache")
     assert sum(p.stat().st_size for p in cache.iterdir()) <= 1.3 * largest
     # Fine-tuning reads the S3 output (a run's prefix, or one tag of it) as it reads a local one.
-    _, expected = checkpointing.consolidated_checkpoint(tmp_path / "ref", str(steps))
+    _, expected = checkpoint_export.consolidated_checkpoint(tmp_path / "ref", str(steps))
     for url in (output_url, f"{output_url}/{steps}"):
         _, weights = finetuning.load_pretrained(url, None)
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
@@ -207,7 +207,7 @@ def test_a_second_sigterm_while_the_run_waits_for_its_last_copy_does_not_cut_it(
     local, _, output_url = shards_on_s3
     config = test_resume.ds_config(tmp_path, 1, True, 1)
     run_waits_for_a_copy, second_sigterms = threading.Event(), []
-    finish = checkpointing.CheckpointUploader.finish
+    finish = checkpoint_s3.CheckpointUploader.finish
 
     def finish_noting_a_wait(uploader, device):
         if any(thread.name == "checkpoint-upload" for thread in threading.enumerate()):
@@ -227,7 +227,7 @@ def test_a_second_sigterm_while_the_run_waits_for_its_last_copy_does_not_cut_it(
     def default_action(*_):
         raise EndedBySigterm("SIGTERM's default action, outside the driver's stop handler")
 
-    monkeypatch.setattr(checkpointing.CheckpointUploader, "finish", finish_noting_a_wait)
+    monkeypatch.setattr(checkpoint_s3.CheckpointUploader, "finish", finish_noting_a_wait)
     boto3.DEFAULT_SESSION.events.register("before-send.s3", second_sigterm_during_the_copy)
     before = signal.signal(signal.SIGTERM, default_action)
     try:
@@ -240,7 +240,7 @@ def test_a_second_sigterm_while_the_run_waits_for_its_last_copy_does_not_cut_it(
     assert second_sigterms == [True]  # sent while the run waited for the copy
     assert summary["stopped_by_signal"] and summary["global_step"] == 1
     assert storage.S3Store(output_url).get_bytes("latest") == b"1"
-    assert checkpointing.fetch_checkpoint(storage.S3Store(output_url), tmp_path / "fetched") == "1"
+    assert checkpoint_s3.fetch_checkpoint(storage.S3Store(output_url), tmp_path / "fetched") == "1"
 
 
 def assert_no_credentials(*outputs):

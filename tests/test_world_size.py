@@ -22,7 +22,7 @@ import torch
 import helpers
 import run_pretraining as rp
 from test_driver_multirank import no_dropout_config
-from training import checkpointing
+from training import checkpoint_export, checkpointing
 
 pytestmark = pytest.mark.slow
 
@@ -146,12 +146,12 @@ def test_resume_on_another_world_size_continues_the_uninterrupted_run(runs, save
 
     # The step counts carried over (LANS's group steps are 20, as in the uninterrupted run), and the
     # consolidated weights of the resumed run's final checkpoint are the uninterrupted run's.
-    final = checkpointing.saved_optimizer_states(out, str(STEPS))[0]
+    final = checkpoint_export.saved_optimizer_states(out, str(STEPS))[0]
     if stage:
         final = final["base_optimizer_state"]
     assert [g["step"] for g in final["param_groups"]] == [STEPS, STEPS]
-    resumed_weights = checkpointing.consolidated_state_dict(out, str(STEPS))
-    reference_weights = checkpointing.consolidated_state_dict(reference_out, str(STEPS))
+    resumed_weights = checkpoint_export.consolidated_state_dict(out, str(STEPS))
+    reference_weights = checkpoint_export.consolidated_state_dict(reference_out, str(STEPS))
     assert resumed_weights.keys() == reference_weights.keys()
     weight_tolerance = 2e-2 if bf16 else 1e-4
     for key, value in resumed_weights.items():

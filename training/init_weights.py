@@ -33,7 +33,7 @@ def torch_load_reason(err: Exception) -> str:
 
 def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
     """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
-    export of training/checkpointing.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
+    export of training/checkpoint_export.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
     path = Path(path)
     file = path / "mp_rank_00_model_states.pt" if path.is_dir() else path
     try:
