@@ -22,6 +22,6 @@ class InputErrorOnEveryRank(InputError):
 NO_RESTART_MARK = " [no restart]"
 
 
-def one_line(err: Exception, limit: int = 400) -> str:
+def one_line(err: Exception | str, limit: int = 400) -> str:
     """A (torch) multi-line error text folded into one bounded line, for the one-line CLI error."""
     return " ".join(str(err).split())[:limit]

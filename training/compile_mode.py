@@ -1,13 +1,17 @@
 """The reference's compile mode (torch.compile): its flags, their checks, compiling the engine's model, and the
 log of the first step."""
 
+import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 from common.errors import InputError, one_line
 from training import gaudi
 
 
-def add_compile_arguments(group, compiles_lans: bool = False) -> None:
+def add_compile_arguments(group: argparse.ArgumentParser | argparse._ArgumentGroup,
+                          compiles_lans: bool = False) -> None:
     """The compile-mode flags, on a parser or argument group (the same in every entry point). compiles_lans:
     the entry point's LANS update is compiled too (run_pretraining.py's; fine-tuning's AdamW is not)."""
     lans = " and, with inductor, the LANS update" if compiles_lans else ""
@@ -53,7 +57,7 @@ def compile_backend(backend: str | None) -> str:
     return backend
 
 
-def compile_model(engine, backend: str | None, mode: str | None) -> str:
+def compile_model(engine: Any, backend: str | None, mode: str | None) -> str:
     """torch.compile the engine's model in place (DeepSpeedEngine.compile calls nn.Module.compile): the
     module keeps its class and parameter names, so state_dict keys and checkpoints are those of eager mode
     (no `_orig_mod.` prefix). Compilation itself happens in the first forward and backward. Returns the
@@ -68,7 +72,7 @@ def compile_model(engine, backend: str | None, mode: str | None) -> str:
     return backend
 
 
-def log_first_step(logger, say, seconds: float) -> None:
+def log_first_step(logger: Any, say: Callable[[str], None], seconds: float) -> None:
     """In compile mode the first step includes the compilation: its time goes to the log."""
     say(f"first step, compilation included: {seconds:.1f} s")
     logger.log(step="PARAMETER", data={"first_step_time_s": seconds})

@@ -2,11 +2,15 @@
 read and checked by common/deepspeed_config.py), the guard against its zero-gradient step, and its teardown.
 DeepSpeed is imported lazily: it picks its accelerator on first import (training/device_setup.py)."""
 
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import torch
 
 
 @contextmanager
-def optimizer_step_suppressed(optimizer):
+def optimizer_step_suppressed(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
     """Within this block optimizer.step() does nothing (weights, moments and step counters untouched).
 
     Used (a) around deepspeed.initialize, where bf16 + ZeRO-0 wraps the optimizer in
@@ -16,14 +20,16 @@ def optimizer_step_suppressed(optimizer):
     if optimizer is None:
         yield
         return
-    optimizer.step = lambda closure=None: None
+    # the instance's step shadows the class's until the del below
+    optimizer.step = lambda closure=None: None  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         del optimizer.step
 
 
-def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, parameter_groups=None):
+def initialize_engine(model: torch.nn.Module, ds_config: dict[str, Any], optimizer: torch.optim.Optimizer | None = None,
+                      scheduler: Any = None, parameter_groups: Any = None) -> tuple[Any, Any]:
     """deepspeed.initialize with a client optimizer and scheduler (None: the JSON's, over
     parameter_groups); returns (engine, the optimizer that steps: the client's or DeepSpeed's)."""
     import deepspeed
@@ -35,7 +41,7 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None, pa
 
 
 @contextmanager
-def destroyed_on_exit(engine):
+def destroyed_on_exit(engine: Any) -> Iterator[Any]:
     """engine.destroy() when the block ends without an error. Trap: under bf16 or ZeRO-1/2, DeepSpeed's
     optimizer registers gradient-accumulation hooks on the parameters that refer back to it; until destroy()
     removes them the engine, the model and the optimizer states stay reachable after the caller returns

@@ -76,7 +76,7 @@ def check_cuda_devices(local_rank: int, local_ranks: int, device_count: int) -> 
                          "(torchrun --nproc_per_node, deepspeed --num_gpus)")
 
 
-def share_cores_between_local_ranks():
+def share_cores_between_local_ranks() -> None:
     """Trap: the deepspeed launcher does not set OMP_NUM_THREADS, so N ranks on one machine would each
     use every core (measured 20-30x slower steps with 2 ranks on 2 cores). Respect a user's setting."""
     local_ranks = local_world_size()
@@ -106,7 +106,7 @@ def keep_freed_memory_in_process() -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, largest)) and bool(mallopt(_M_MMAP_THRESHOLD, largest))
 
 
-def seed_everything(seed: int):
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from common.errors import InputError, one_line
-from modeling import TRANSFORMERS_ONLY_KEYS
+from modeling import TRANSFORMERS_ONLY_KEYS, BertPreTrainedModel
 
 INIT_WEIGHT_SOURCES = ("it should be a checkpoint tag directory (holding mp_rank_00_model_states.pt) or a "
                        "state-dict file written by torch.save (ours, `python -m training.checkpointing export`'s, "
@@ -31,7 +31,7 @@ def torch_load_reason(err: Exception) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def load_init_weights(model, path, flag: str = "--init_checkpoint") -> None:
+def load_init_weights(model: BertPreTrainedModel, path: str | Path, flag: str = "--init_checkpoint") -> None:
     """Module weights from a DeepSpeed checkpoint tag directory, or from a state-dict file (ours, the
     export of training/checkpoint_export.py, or Hugging Face's BertForPreTraining for a post-LN config)."""
     path = Path(path)
@@ -62,7 +62,7 @@ ENCODER_LAYER_KEY = re.compile(r"^bert\.encoder\.layer\.(\d+)\.")
 WORD_EMBEDDINGS_KEY = "bert.embeddings.word_embeddings.weight"
 
 
-def describe_misfit(own: dict, saved: dict) -> str:
+def describe_misfit(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str:
     """How the tensors `saved` differ from a model's state dict `own` ("" when they fit), in one line that
     says which config they are for: the checkpoint's hidden size (from its word embeddings) and layer
     count, then the tensors of another shape, the missing and the unexpected keys, each with its count and

@@ -1,6 +1,7 @@
 """The run's log: dllogger (NVIDIA's, or training/dllogger_fallback.py) with a JSON stream and stdout on rank 0."""
 
 from pathlib import Path
+from typing import Any
 
 try:
     import dllogger
@@ -8,13 +9,13 @@ except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the sam
     from training import dllogger_fallback as dllogger
 
 
-def step_format(step) -> str:
+def step_format(step: object) -> str:
     if isinstance(step, tuple) and len(step) == 2:
         return f"Training Epoch: {step[0]} Training Iteration: {step[1]}"
     return str(step)
 
 
-def build_logger(json_summary, rank: int, append: bool = False):
+def build_logger(json_summary: str | Path, rank: int, append: bool = False) -> Any:
     """Rank 0: JSON stream (--json-summary) + stdout; other ranks: a logger without backends.
     append: add to an existing stream (a resumed run) instead of replacing it."""
     if rank != 0:

@@ -9,7 +9,7 @@ from common.errors import InputError
 PROFILERS = ("pt", "pt-full", "hltv")
 
 
-def parse_profile_steps(text: str) -> tuple:
+def parse_profile_steps(text: str) -> tuple[int, int]:
     try:
         start, end = (int(x) for x in text.split(","))
     except ValueError as err:
@@ -27,7 +27,8 @@ def check_profiler(kind: str | None, steps: str, use_hpu: bool) -> None:
     parse_profile_steps(steps)
 
 
-def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: bool, no_cuda: bool):
+def build_profiler(kind: str | None, steps: str, results_dir: Path, use_hpu: bool,
+                   no_cuda: bool) -> torch.profiler.profile | None:
     """torch profiler over the micro-steps `steps` ("start,end", inclusive), or None when kind is None."""
     if kind is None:
         return None
