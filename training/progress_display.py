@@ -3,9 +3,11 @@ line every few steps elsewhere."""
 
 import sys
 import time
+from typing import Any, TextIO
 
 
-def progress_bar(show: bool, total: int, initial: int, desc: str, every: int, stream=None):
+def progress_bar(show: bool, total: int, initial: int, desc: str, every: int,
+                 stream: TextIO | None = None) -> Any:
     """The progress display of a loop of `total` steps from `initial` (update(n), close()), on stderr (stream): tqdm's
     bar on a terminal; elsewhere (a log file, a pipe) ProgressLines, one line every `every` steps, where the
     bar would fill the file with its redrawings; nothing when show is False."""
@@ -21,7 +23,7 @@ class ProgressLines:
     `every`, reaches `total`, or stops elsewhere (close). The time and rate are this process's own (a resumed
     loop starts at `initial`)."""
 
-    def __init__(self, total: int, initial: int, desc: str, every: int, stream):
+    def __init__(self, total: int, initial: int, desc: str, every: int, stream: TextIO):
         self.total, self.n, self.desc, self.every, self.stream = total, initial, desc, max(1, every), stream
         self.started, self.initial, self.shown = time.perf_counter(), initial, initial
 
