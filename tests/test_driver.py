@@ -643,7 +643,7 @@ def test_bad_input_and_a_deliberate_stop_say_no_restart(monkeypatch, capsys, rai
     Input that may be one server's alone (a HostInputError) is left to the supervisor's host check."""
     monkeypatch.delenv("RANK", raising=False)
 
-    def main(argv, status_file):
+    def main(argv, status_file, job):
         raise raised
 
     monkeypatch.setattr(rp, "main", main)
