@@ -191,7 +191,7 @@ def test_fine_tuning_shows_progress_lines_in_a_file(tmp_path, capsys, monkeypatc
         "init_checkpoint": tmp_path / "weights.pt", "config_file": helpers.TINY_MODEL_CONFIG,
         "output_dir": tmp_path / "out", "do_train": True, "do_eval": True, "max_seq_length": 48,
         "train_batch_size": 16, "num_train_epochs": 3, "eval_batch_size": 4, "log_freq": 2, "no_cuda": True})
-    assert run_glue.cli(argv) == 0
+    run_glue.main(argv)  # not cli(): its exit-time destroy_process_group would spoil later in-process runs
     stderr = capsys.readouterr().err
     assert progress_lines(stderr, "fine-tuning steps") == [(2, 6, 33), (4, 6, 67), (6, 6, 100)]
     assert progress_lines(stderr, "predicting")[-1] == (3, 3, 100)  # 10 dev examples, batches of 4
