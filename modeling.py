@@ -435,14 +435,37 @@ class BertPretrainingCriterion(nn.Module):
 
     def forward(self, prediction_scores: Tensor, seq_relationship_score: Tensor, masked_lm_labels: Tensor,
                 next_sentence_labels: Tensor) -> Tensor:
+        scores, targets = self.masked_lm_scores_and_targets(prediction_scores, masked_lm_labels)
+        masked_lm_loss = F.cross_entropy(scores, targets, ignore_index=MLM_IGNORE_INDEX)
+        next_sentence_loss = F.cross_entropy(seq_relationship_score.float(), next_sentence_labels.reshape(-1).long())
+        return masked_lm_loss + next_sentence_loss
+
+    @staticmethod
+    def masked_lm_scores_and_targets(prediction_scores: Tensor, masked_lm_labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(float32 scores [n, V], int64 targets [n]); dense scores keep every position, their targets
+        MLM_IGNORE_INDEX where nothing is masked."""
         if prediction_scores.dim() == 2:
             targets = masked_lm_labels[masked_lm_labels != MLM_IGNORE_INDEX]
         else:
             targets = masked_lm_labels.reshape(-1)
             prediction_scores = prediction_scores.reshape(targets.numel(), -1)
-        masked_lm_loss = F.cross_entropy(prediction_scores.float(), targets.long(), ignore_index=MLM_IGNORE_INDEX)
-        next_sentence_loss = F.cross_entropy(seq_relationship_score.float(), next_sentence_labels.reshape(-1).long())
-        return masked_lm_loss + next_sentence_loss
+        return prediction_scores.float(), targets.long()
+
+    @staticmethod
+    def sums(prediction_scores: Tensor, seq_relationship_score: Tensor, masked_lm_labels: Tensor,
+             next_sentence_labels: Tensor) -> dict[str, float | int]:
+        """The parts of forward's two means, as sums and counts (with the correct predictions), for means over
+        many batches (held-out evaluation): Python floats and ints, the losses summed in float64."""
+        scores, targets = BertPretrainingCriterion.masked_lm_scores_and_targets(prediction_scores, masked_lm_labels)
+        masked = targets != MLM_IGNORE_INDEX
+        scores, targets = scores[masked], targets[masked]
+        nsp_scores, nsp_targets = seq_relationship_score.float(), next_sentence_labels.reshape(-1).long()
+        mlm_losses = F.cross_entropy(scores, targets, reduction="none")
+        nsp_losses = F.cross_entropy(nsp_scores, nsp_targets, reduction="none")
+        return {"mlm_loss_sum": float(mlm_losses.cpu().double().sum()),
+                "mlm_correct": int((scores.argmax(-1) == targets).sum()), "mlm_count": int(targets.numel()),
+                "nsp_loss_sum": float(nsp_losses.cpu().double().sum()),
+                "nsp_correct": int((nsp_scores.argmax(-1) == nsp_targets).sum()), "nsp_count": int(nsp_targets.numel())}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from common import deepspeed_config, storage
 from common.errors import HostInputError, InputError, InputErrorOnEveryRank
-from data.dataset import LocalShardFiles, RankBatches, WindowReader, scan_shards, window_size_for_budget
+from data.dataset import LocalShardFiles, RankBatches, WindowReader, fixed_chunks, scan_shards, window_size_for_budget
 from data.shard_format import ShardError
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
@@ -50,6 +50,7 @@ from training import (
     deepspeed_engine,
     device_setup,
     distributed,
+    evaluation,
     gaudi,
     hardware,
     init_weights,
@@ -178,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "(HPU only) (default: none, no profiling).")
     logging.add_argument("--profile_steps", default="2,3", help="start,end: micro-steps (inclusive) to profile.")
 
+    held_out = parser.add_argument_group("held-out evaluation", "Held-out MLM loss and accuracy and NSP accuracy "
+                                         "(training/evaluation.py), the same at any world size.")
+    held_out.add_argument("--eval_dir", default=None, help="Directory of held-out HDF5 shards: the .hdf5/.h5 files "
+                          "whose name contains 'test' and not 'training' (it may be --input_dir), in the training "
+                          "shards' format and sequence length (default: none, no evaluation).")
+    held_out.add_argument("--eval_interval", type=int, default=1000, help="Evaluate every this many optimizer "
+                          "steps (global step), and at the end of the run.")
+    held_out.add_argument("--num_eval_examples", type=int, default=10000, help="Evaluate the first this many "
+                          "samples of --eval_dir (its shards in name order).")
+    held_out.add_argument("--eval_batch_size", type=int, default=32, help="Held-out samples per forward pass on "
+                          "one rank; the figures do not depend on the number of ranks.")
+    held_out.add_argument("--skip_train", action="store_true", help="Evaluate the model (from "
+                          "--resume_from_checkpoint or --init_checkpoint) once, without training, and stop.")
+
     ignored = parser.add_argument_group("ignored", "Accepted for compatibility with the reference's command "
                                         "lines; these do nothing.")
     ignored.add_argument("--max_seq_length", type=int, default=512, help="Ignored: the sequence length is that "
@@ -279,6 +294,42 @@ def validate_args(args, world_size: int) -> tuple:
     return ds_config, model_config, data, copies
 
 
+def validate_held_out(args, data: DataInfo) -> DataInfo | None:
+    """The checks of --eval_dir and its flags (before any step; the values are checked when the held-out samples
+    are read, also before the first step); None without --eval_dir."""
+    for name in ("eval_interval", "num_eval_examples", "eval_batch_size"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.eval_dir is None:
+        if args.skip_train:
+            raise InputError("--skip_train needs --eval_dir: it evaluates and does nothing else")
+        return None
+    if storage.is_s3_url(args.eval_dir):
+        raise InputError(f"--eval_dir {args.eval_dir}: held-out shards are read from a local directory only")
+    held_out = inspect_data(args.eval_dir, open_shard_files(args.eval_dir, None, "", 0, flag="--eval_dir"),
+                            args.max_predictions_per_seq, args.num_eval_examples, held_out=True)
+    if held_out.seq_len != data.seq_len:
+        raise InputError(f"--eval_dir {args.eval_dir} holds sequences of {held_out.seq_len} tokens, the training "
+                         f"shards of --input_dir {args.input_dir} of {data.seq_len}: held-out shards must be made "
+                         "like the training shards")
+    return held_out
+
+
+def read_held_out(held_out: DataInfo, args, model_config: BertConfig, rank: int, world: int) -> evaluation.HeldOutSet:
+    """This rank's chunks of the held-out samples (every rank reads and checks all of them: a token id beyond
+    the model's vocabulary fails every rank alike, before the first step)."""
+    window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), held_out.seq_len,
+                                         held_out.max_pred)
+    reader = WindowReader(held_out.shards, 0, window_size, model_config.vocab_size, shuffle=False,
+                          shard_files=held_out.shard_files, type_vocab_size=model_config.type_vocab_size)
+    try:
+        chunks = fixed_chunks(reader, args.num_eval_examples, args.eval_batch_size, rank, world)
+    except ShardError as err:
+        raise InputErrorOnEveryRank(f"--eval_dir: {err}") from err
+    return evaluation.HeldOutSet(chunks=chunks, num_chunks=math.ceil(args.num_eval_examples / args.eval_batch_size),
+                                 num_samples=args.num_eval_examples)
+
+
 def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_last_n: int, *,
                    resuming: bool) -> checkpoint_s3.CheckpointUploader:
     """Checkpoint copies for an s3:// --output_dir `url`: the prefix must be writable (checked by rank 0) and
@@ -292,13 +343,13 @@ def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_las
     return checkpoint_s3.CheckpointUploader(store, cache_dir / "checkpoints", keep_last_n)
 
 
-def open_shard_files(input_dir: str, endpoint_url: str | None, cache_dir: str,
-                     cache_gb: float) -> LocalShardFiles | storage.ShardCache:
+def open_shard_files(input_dir: str, endpoint_url: str | None, cache_dir: str, cache_gb: float,
+                     flag: str = "--input_dir") -> LocalShardFiles | storage.ShardCache:
     """Where the shards are read from: the directory, or for an s3:// input_dir this server's download
-    cache in cache_dir (--s3_cache_dir), bounded by cache_gb (--s3_cache_gb)."""
+    cache in cache_dir (--s3_cache_dir), bounded by cache_gb (--s3_cache_gb). flag: what messages call it."""
     if not storage.is_s3_url(input_dir):
         if not Path(input_dir).is_dir():
-            raise HostInputError(f"--input_dir {input_dir} does not exist or is not a directory")
+            raise HostInputError(f"{flag} {input_dir} does not exist or is not a directory")
         return LocalShardFiles(input_dir)
     if not cache_gb > 0:
         raise InputError(f"--s3_cache_gb must be positive, got {cache_gb}")
@@ -316,22 +367,24 @@ def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer
 
 
 def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCache, max_predictions_per_seq: int,
-                 global_micro_batch: int) -> DataInfo:
+                 min_samples: int, *, held_out: bool = False) -> DataInfo:
     """Check the header of every training shard (the values, ids and labels, are checked later, per window
-    read)."""
+    read). min_samples: one global micro-batch. held_out: input_dir is --eval_dir, its held-out shards are
+    checked, and min_samples is --num_eval_examples."""
+    flag, needed = (("--eval_dir", f"--num_eval_examples {min_samples}") if held_out
+                    else ("--input_dir", f"one global micro-batch ({min_samples})"))
     try:
-        shards, seq_len, max_pred = scan_shards(input_dir, shard_files)
+        shards, seq_len, max_pred = scan_shards(input_dir, shard_files, held_out=held_out)
         if isinstance(shard_files, storage.ShardCache):
             shard_files.check_capacity([shard.path for shard in shards])
     except (ShardError, storage.StorageError) as err:  # this server's copy, or its way to the storage
         raise HostInputError(str(err)) from err
     if max_pred > max_predictions_per_seq:
-        raise InputError(f"the shards hold {max_pred} masked positions per sequence, more than "
+        raise InputError(f"the shards of {flag} {input_dir} hold {max_pred} masked positions per sequence, more than "
                          f"--max_predictions_per_seq {max_predictions_per_seq}")
     num_samples = sum(s.num_samples for s in shards)
-    if num_samples < global_micro_batch:
-        raise InputError(f"--input_dir {input_dir} holds {num_samples} samples, fewer than one global "
-                         f"micro-batch ({global_micro_batch})")
+    if num_samples < min_samples:
+        raise InputError(f"{flag} {input_dir} holds {num_samples} samples, fewer than {needed}")
     return DataInfo(shards, seq_len, max_pred, num_samples, shard_files)
 
 
@@ -612,6 +665,8 @@ class Run:
     phase1_end_step: int
     log_first_step_time: bool      # --enable_torch_compile: the first step's time is mostly compilation
     progress_bar: bool             # rank 0 without --disable_progress_bar
+    held_out: evaluation.HeldOutSet | None  # --eval_dir's samples (this rank's chunks), None without it
+    eval_interval: int             # --eval_interval
 
 
 def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
@@ -730,6 +785,7 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     say, every, clock = run.say, run.checkpoint_every, run.clock
     progress = progress_display.progress_bar(run.progress_bar, run.max_steps, state.global_step, "steps", run.log_freq)
     window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
+    eval_time, held_out_figures, evaluated_at = 0.0, {}, None  # eval_time: seconds of the evaluations between steps
     window.local_losses = list(state.open_window.get("local_losses", []))
     window.all_rank_losses = list(state.open_window.get("all_rank_losses", []))
     while state.global_step < run.max_steps and steps_done < run.steps_this_run:
@@ -756,6 +812,11 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
         if state.global_step % run.log_freq == 0:
             log_window(run, state, window)
             window, last_window = LogWindow(clock()), window
+        if run.held_out is not None and state.global_step % run.eval_interval == 0:
+            held_out_figures, seconds = evaluate_and_log(run, state)
+            eval_time, evaluated_at = eval_time + seconds, state.global_step
+            window.started += seconds  # the logged step times and speeds leave the evaluation out
+            last_window.started += seconds
         if every is not None and steps_done % every == 0:
             last_saved = save(run, state, window)
         # ---------------------------------------------------------------- stop early
@@ -771,10 +832,50 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
     # As the reference, the final record and the training time end before the final checkpoint is saved.
     ended = clock()
     final = log_window(run, state, window if window.steps else last_window, final=True)
+    final_eval_time = 0.0
+    if run.held_out is not None and steps_done and evaluated_at != state.global_step and not result.stop_requested:
+        held_out_figures, final_eval_time = evaluate_and_log(run, state)
     if every is not None and steps_done and last_saved != checkpoint_tag(state, run.phase1_end_step):
         save(run, state, window)
-    return {**final, "ended": ended, "steps_done": steps_done,
+    return {**final, "ended": ended, "steps_done": steps_done, "eval_time_between_steps": eval_time,
+            "eval_time": eval_time + final_eval_time, "held_out": held_out_figures,
             "stopped_by_signal": bool(steps_done and result.stop_requested)}
+
+
+# ============================================================================ held-out evaluation
+
+def evaluate_and_log(run: Run, state: TrainState) -> tuple[dict, float]:
+    """Collective: the held-out figures of the model after step state.global_step, in a dllogger record at that
+    step (with eval_time, its seconds) and the DeepSpeed monitors; returns (figures, seconds)."""
+    started = run.clock()
+    figures = evaluation.evaluate(run.engine.module, run.held_out, run.device, run.all_gather_object, run.world,
+                                  after_batch=run.graph_breaks.after_step)
+    seconds = run.clock() - started
+    report_evaluation(run.engine, run.say, state.global_step, figures, seconds)
+    run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step),
+                   data={**figures, "eval_time": seconds})
+    run.logger.flush()
+    return figures, seconds
+
+
+def evaluate_only(engine: "DeepSpeedEngine", held_out: evaluation.HeldOutSet, graph_breaks: gaudi.NoGraphBreaks,
+                  state: TrainState, logger: "dllogger.Logger", say: Callable[[str], None],
+                  clock: Callable[[], float], started: float) -> dict:
+    """--skip_train: the held-out figures of the model as loaded, in the final record; no step, no checkpoint."""
+    eval_started = clock()
+    figures = evaluation.evaluate(engine.module, held_out, engine.device, dist.all_gather_object,
+                                  dist.get_world_size(), after_batch=graph_breaks.after_step)
+    seconds = clock() - eval_started
+    report_evaluation(engine, say, state.global_step, figures, seconds)
+    return log_summary_without_steps(state, logger, clock() - started, **figures, eval_time=seconds)
+
+
+def report_evaluation(engine: "DeepSpeedEngine", say: Callable[[str], None], global_step: int, figures: dict,
+                      seconds: float) -> None:
+    if engine.monitor.enabled:  # TensorBoard / CSV / W&B, as the DeepSpeed JSON asks
+        engine.monitor.write_events([(f"Eval/{key}", value, global_step) for key, value in figures.items()])
+    say(f"step {global_step}: held-out MLM loss {figures['eval_mlm_loss']:.4f}, MLM accuracy "
+        f"{figures['eval_mlm_accuracy']:.4f}, NSP accuracy {figures['eval_nsp_accuracy']:.4f} ({seconds:.1f} s)")
 
 
 # ============================================================================ main
@@ -804,9 +905,10 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
         status_file.place(args.json_summary)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         ds_config, model_config, data, copies = validate_args(args, world_size)
+        held_out = validate_held_out(args, data)
         try:
-            return train_run(args, started, ds_config, model_config, data, copies, stop_event, status_file, job,
-                             clock=clock,
+            return train_run(args, started, ds_config, model_config, data, held_out, copies, stop_event, status_file,
+                             job, clock=clock,
                              criterion=criterion if criterion is not None else BertPretrainingCriterion(),
                              make_graph_breaks=make_graph_breaks, device_memory=device_memory)
         except BaseException as err:  # the copy below may take minutes: no other rank's exit is a death meanwhile
@@ -819,8 +921,8 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
 
 
 def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
-              copies: checkpoint_s3.CheckpointUploader | None, stop_event: threading.Event,
-              status_file: run_status.StatusFile, job: distributed.Job, *,
+              held_out_data: DataInfo | None, copies: checkpoint_s3.CheckpointUploader | None,
+              stop_event: threading.Event, status_file: run_status.StatusFile, job: distributed.Job, *,
               clock: Callable[[], float],
               criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple]) -> dict:
@@ -830,6 +932,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                                       args.collective_timeout_s, stop_event, ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     check_same_shards_on_every_rank(data, args.input_dir, job.hosts)
+    held_out = read_held_out(held_out_data, args, model_config, rank, world) if held_out_data else None
     device_setup.seed_everything(args.seed + rank)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
     checkpoint_interval = args.checkpoint_activations_interval if args.checkpoint_activations else 0
@@ -867,6 +970,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                                            phase2=args.phase2, phase1_end_step=args.phase1_end_step, seed=args.seed,
                                            output_dir=args.output_dir)
         status_file.saved(resumed_tag)
+        if args.skip_train:
+            return evaluate_only(engine, held_out, graph_breaks, state, logger, say, clock, started)
         if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
             return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger,
                                     say, clock() - started)
@@ -894,7 +999,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                   checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
                   keep_last_n_checkpoints=args.keep_last_n_checkpoints, phase1_end_step=args.phase1_end_step,
                   log_first_step_time=args.enable_torch_compile,
-                  progress_bar=rank == 0 and not args.disable_progress_bar)
+                  progress_bar=rank == 0 and not args.disable_progress_bar,
+                  held_out=held_out, eval_interval=args.eval_interval)
         first_step = state.global_step
         profiler = profiling.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
                                             args.use_hpu, args.no_cuda)
@@ -908,7 +1014,7 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
         # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
         if copies is not None:
             copies.finish(device)
-        raw_train_time = final["ended"] - train_started
+        raw_train_time = final["ended"] - train_started - final["eval_time_between_steps"]
         sequences = micro * gas * world * (state.global_step - first_step)
         model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
         summary = {"e2e_train_time": clock() - started,
@@ -918,7 +1024,8 @@ def train_run(args, started: float, ds_config: dict, model_config: BertConfig, d
                    "raw_train_time": raw_train_time,
                    "final_loss": final["final_loss"], "global_step": state.global_step,
                    "skipped_steps": state.bad_steps,
-                   "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"]}
+                   "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"],
+                   **({**final["held_out"], "total_eval_time": final["eval_time"]} if final["held_out"] else {})}
         logger.log(step=(), data=summary)
         logger.flush()
         return summary

@@ -39,7 +39,14 @@ import h5py
 import numpy as np
 import torch
 
-from data.shard_format import SHARD_KEYS, Rows, ShardError, is_training_shard_name, read_shard_header
+from data.shard_format import (
+    SHARD_KEYS,
+    Rows,
+    ShardError,
+    is_held_out_shard_name,
+    is_training_shard_name,
+    read_shard_header,
+)
 
 BATCH_FIELDS = ("input_ids", "segment_ids", "input_mask", "masked_lm_labels", "next_sentence_labels")
 # Upper bound of the in-memory size of one sample: every field as int64 (3 x seq_len + 2 x max_pred + 1).
@@ -106,24 +113,30 @@ class LocalShardFiles:
         """Stop background work (the reader is done)."""
 
 
-def find_training_shards(shard_files: ShardFiles[Name]) -> list[Name]:
+def find_shards(shard_files: ShardFiles[Name], held_out: bool = False) -> list[Name]:
     """Sorted training shards (shard_format.is_training_shard_name): the reference takes any file whose name
-    contains 'training', which would take a killed writer's hidden temporary for a shard."""
-    return [p for p in shard_files.list_files() if is_training_shard_name(str(p).rsplit("/", 1)[-1])]
+    contains 'training', which would take a killed writer's hidden temporary for a shard. held_out: the
+    held-out shards instead (shard_format.is_held_out_shard_name), which may share the directory."""
+    select = is_held_out_shard_name if held_out else is_training_shard_name
+    return [p for p in shard_files.list_files() if select(str(p).rsplit("/", 1)[-1])]
 
 
 def scan_shards(input_dir: str | os.PathLike[str],
-                shard_files: ShardFiles[Any] | None = None) -> tuple[list[ShardInfo], int, int]:
-    """Validate the header of every training shard; return (shards, seq_len, max_pred).
+                shard_files: ShardFiles[Any] | None = None,
+                held_out: bool = False) -> tuple[list[ShardInfo], int, int]:
+    """Validate the header of every training shard (held-out shard, with held_out); return (shards, seq_len,
+    max_pred).
 
     shard_files: where the shards live (default: LocalShardFiles(input_dir)).
     Raises ShardError when there is no shard, when a header is invalid, or when the shards disagree
     on seq_len / max_pred. Empty shards are valid and contribute nothing.
     """
     shard_files = shard_files or LocalShardFiles(input_dir)
-    paths = find_training_shards(shard_files)
+    paths = find_shards(shard_files, held_out)
     if not paths:
-        raise ShardError(f"{input_dir}: no training shards (.hdf5 or .h5 files whose name contains 'training')")
+        kind = ("held-out shards (.hdf5 or .h5 files whose name contains 'test' and not 'training')" if held_out
+                else "training shards (.hdf5 or .h5 files whose name contains 'training')")
+        raise ShardError(f"{input_dir}: no {kind}")
     shards = []
     shapes: dict[tuple[int, int], object] = {}
     for path in paths:
@@ -289,6 +302,20 @@ class WindowReader:
             parts.append({key: value[index:index + take] for key, value in window.items()})
             position += take
         return {key: np.concatenate([p[key] for p in parts]) for key in SHARD_KEYS}
+
+
+def fixed_chunks(reader: WindowReader, count: int, chunk_size: int, rank: int,
+                 world_size: int) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    """This rank's share of the first `count` samples of the reader's stream (held-out evaluation: a reader
+    without shuffling) cut into chunks of chunk_size samples, the last one shorter: chunks rank, rank +
+    world_size, ... as [(chunk index, batch tensors)]. Every chunk is the same at any world size. Every rank
+    reads (and so checks) all `count` samples: a bad one fails every rank alike, not only the one that owns it."""
+    chunks = []
+    for index in range(-(-count // chunk_size)):
+        arrays = reader.read(index * chunk_size, min(chunk_size, count - index * chunk_size))
+        if index % world_size == rank:
+            chunks.append((index, to_batch(arrays)))
+    return chunks
 
 
 def to_batch(arrays: Rows) -> tuple[torch.Tensor, ...]:

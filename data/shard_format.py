@@ -33,6 +33,7 @@ COMPRESSION = {"compression": "gzip", "compression_opts": GZIP_LEVEL, "shuffle":
 CHUNK_BYTES = 1 << 18  # input_ids chunk of ~256 KiB: cheap to decompress for a reader wanting a few rows
 SHARD_SUFFIXES = (".hdf5", ".h5")
 TRAINING_MARKER = "training"
+HELD_OUT_MARKER = "test"  # NVIDIA's prep and the registry corpus name their held-out shards *_test_*
 # Rows of a shard: SHARD_KEYS key -> numpy array, one row per sample.
 Rows: TypeAlias = dict[str, np.ndarray]
 
@@ -47,6 +48,11 @@ def is_shard_name(name: str) -> bool:
 def is_training_shard_name(name: str) -> bool:
     """A training shard: a shard whose name contains 'training' (the reference's rule, limited to shards)."""
     return is_shard_name(name) and TRAINING_MARKER in name
+
+
+def is_held_out_shard_name(name: str) -> bool:
+    """A held-out shard (--eval_dir): a shard whose name contains 'test' and not 'training'."""
+    return is_shard_name(name) and HELD_OUT_MARKER in name and TRAINING_MARKER not in name
 
 
 class ShardError(ValueError):

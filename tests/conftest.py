@@ -70,28 +70,42 @@ def tiny_shards(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="session")
-def pipeline_shards(tmp_path_factory):
-    """Phase-1 shards (seq 128, 20 predictions) made by the real data/create_pretraining_data.py from the
-    first chapters of a novel in data/sample/ (paragraphs become documents, lines sentences)."""
+def make_pipeline_shards(directory, book: str, lines: int, shard_name: str):
+    """Shards (seq 128, 20 predictions) made by the real data/create_pretraining_data.py from the first `lines`
+    lines of data/sample/books/<book> (paragraphs become documents, lines sentences); returns `directory`."""
     import gzip
     import subprocess
 
-    directory = tmp_path_factory.mktemp("pipeline_shards")
-    with gzip.open(helpers.REPO_ROOT / "data" / "sample" / "books" / "persuasion_part1.txt.gz", "rt") as f:
-        text = "".join(f.readlines()[:1200])
+    with gzip.open(helpers.REPO_ROOT / "data" / "sample" / "books" / book, "rt") as f:
+        text = "".join(f.readlines()[:lines])
     # Blank-line runs separate documents; single lines are the "sentences".
     documents = ["\n".join(line.strip() for line in block.splitlines() if line.strip())
                  for block in text.split("\n\n") if block.strip()]
-    source = directory / "persuasion.txt"
+    source = directory / "source.txt"
     source.write_text("\n\n".join(documents) + "\n")
     subprocess.run([sys.executable, str(helpers.REPO_ROOT / "data" / "create_pretraining_data.py"),
-                    "--input_file", str(source), "--output_file", str(directory / "persuasion_training_0.hdf5"),
+                    "--input_file", str(source), "--output_file", str(directory / shard_name),
                     "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"), "--max_seq_length", "128",
                     "--max_predictions_per_seq", "20", "--dupe_factor", "1", "--n_processes", "1"],
                    check=True, capture_output=True, timeout=300, env=helpers.checkout_env())
     source.unlink()
     return directory
+
+
+@pytest.fixture(scope="session")
+def pipeline_shards(tmp_path_factory):
+    """Phase-1 shards made by the real data/create_pretraining_data.py from the first chapters of a novel in
+    data/sample/ (make_pipeline_shards)."""
+    return make_pipeline_shards(tmp_path_factory.mktemp("pipeline_shards"), "persuasion_part1.txt.gz", 1200,
+                                "persuasion_training_0.hdf5")
+
+
+@pytest.fixture(scope="session")
+def pipeline_held_out(tmp_path_factory):
+    """Held-out shards made as pipeline_shards' from text that pipeline_shards lacks: the start of the novel's
+    second part."""
+    return make_pipeline_shards(tmp_path_factory.mktemp("pipeline_held_out"), "persuasion_part2.txt.gz", 300,
+                                "persuasion_test_0.hdf5")
 
 
 _BUCKET_NUMBERS = itertools.count()  # one new bucket per test, never reused within the session

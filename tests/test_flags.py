@@ -100,7 +100,7 @@ def test_flags_keep_their_names_defaults_and_parsed_values(name):
 
 GROUPS = {
     "run_pretraining": ["data", "model", "schedule and optimizer", "checkpoints", "devices and distribution", "S3",
-                        "logging", "ignored", "DeepSpeed"],
+                        "logging", "held-out evaluation", "ignored", "DeepSpeed"],
     "run_squad": ["what to run", "data", "model", "schedule and optimizer", "prediction", "checkpoints",
                   "devices and distribution", "logging", "ignored", "refused", "DeepSpeed"],
 }

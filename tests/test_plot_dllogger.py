@@ -75,3 +75,23 @@ def test_unplottable_input_is_one_error_line(tmp_path, content):
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_held_out_figures_get_the_loss_points_and_a_panel_of_accuracies(tmp_path):
+    """A run with --eval_dir logs eval records at some steps: eval_loss joins the losses, its accuracies get a
+    third panel; a run without them keeps the two panels (above)."""
+    records = [{"step": [0, step], "data": {"average_loss": 10.0 - step, "learning_rate": 0.1}}
+               for step in (1, 2, 3, 4)]
+    records += [{"step": [0, step], "data": {"eval_loss": 9.5 - step, "eval_mlm_loss": 9.0 - step,
+                                             "eval_mlm_accuracy": 0.1 * step, "eval_nsp_accuracy": 0.5 + 0.01 * step}}
+                for step in (2, 4)]
+    log = tmp_path / "log.json"
+    log.write_text("".join("DLLL " + json.dumps({"type": "LOG", **record}) + "\n" for record in records))
+    figure = load_script().main([str(log), "-o", str(tmp_path / "loss.png")])
+    loss_axes, _, accuracy_axes = figure.axes
+    lines = {line.get_label(): line.get_xydata().tolist() for axes in figure.axes for line in axes.lines}
+    assert [line.get_label() for line in loss_axes.lines] == ["average_loss", "eval_loss (held-out)"]
+    assert lines["eval_loss (held-out)"] == [[2, 7.5], [4, 5.5]]
+    assert [line.get_label() for line in accuracy_axes.lines] == ["eval_mlm_accuracy", "eval_nsp_accuracy"]
+    assert np.allclose(lines["eval_mlm_accuracy"], [[2, 0.2], [4, 0.4]])
+    assert np.allclose(lines["eval_nsp_accuracy"], [[2, 0.52], [4, 0.54]])
