@@ -16,6 +16,7 @@ put back in train mode afterwards: training goes on bitwise as it would without 
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,25 +25,27 @@ from modeling import BertPretrainingCriterion
 # The figures, as the driver logs them (dllogger keys; TensorBoard tags Eval/<key>).
 EVAL_KEYS = ("eval_loss", "eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy")
 SUMS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_loss_sum", "nsp_correct", "nsp_count")
+ChunkSums = dict[str, float | int]  # one chunk's SUMS (BertPretrainingCriterion.sums)
 
 
 @dataclass(kw_only=True)
 class HeldOutSet:
     """This rank's chunks of the held-out list (data.dataset.fixed_chunks) and how many there are in all."""
-    chunks: list        # [(chunk index, (input_ids, segment_ids, input_mask, masked_lm_labels, nsp_labels))]
+    # [(chunk index, (input_ids, segment_ids, input_mask, masked_lm_labels, nsp_labels))]
+    chunks: list[tuple[int, tuple[torch.Tensor, ...]]]
     num_chunks: int
     num_samples: int
 
 
 def evaluate(model: torch.nn.Module, held_out: HeldOutSet, device: torch.device,
-             all_gather_object: Callable[[list, object], object], world_size: int,
-             after_batch: Callable[[], None] = lambda: None) -> dict:
+             all_gather_object: Callable[[list[Any], object], object], world_size: int,
+             after_batch: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Collective: the EVAL_KEYS figures of `model` on the held-out set, the same on every rank.
     all_gather_object: torch.distributed's (a test may pass one that stands in for the other ranks).
     after_batch: called after each chunk's forward (an HPU in lazy mode cuts its graph there)."""
     was_training = model.training
     model.eval()
-    own = {}
+    own: dict[int, ChunkSums] = {}
     try:
         with torch.no_grad():
             for index, tensors in held_out.chunks:
@@ -53,7 +56,7 @@ def evaluate(model: torch.nn.Module, held_out: HeldOutSet, device: torch.device,
                 after_batch()
     finally:
         model.train(was_training)
-    gathered = [None] * world_size
+    gathered: list[dict[int, ChunkSums]] = [{} for _ in range(world_size)]
     all_gather_object(gathered, own)
     per_chunk = {index: sums for rank_sums in gathered for index, sums in rank_sums.items()}
     if sorted(per_chunk) != list(range(held_out.num_chunks)):
@@ -62,7 +65,7 @@ def evaluate(model: torch.nn.Module, held_out: HeldOutSet, device: torch.device,
     return figures([per_chunk[index] for index in range(held_out.num_chunks)])
 
 
-def figures(chunk_sums: list) -> dict:
+def figures(chunk_sums: list[ChunkSums]) -> dict[str, float]:
     """EVAL_KEYS from the sums of each chunk (BertPretrainingCriterion.sums), added in list order."""
     total = {key: sum(sums[key] for sums in chunk_sums) for key in SUMS}
     mlm_loss = total["mlm_loss_sum"] / total["mlm_count"] if total["mlm_count"] else float("nan")
