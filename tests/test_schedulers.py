@@ -171,3 +171,33 @@ def test_load_state_dict_rejects_a_foreign_state():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PolyWarmUpScheduler(make_optimizer()[1], **kwargs)
+
+
+def hugging_face_linear(step, warmup_steps, total_steps):
+    """transformers' get_linear_schedule_with_warmup factor, written out."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def test_adamw_with_poly_degree_1_is_hugging_face_linear_schedule_one_step_on():
+    """Recipe d of bench/bench_convergence.py (--optimizer adamw --use_lr_scheduler --scheduler_degree 1): the
+    weights equal torch's AdamW under a LambdaLR of Hugging Face's linear warm-up and decay, read one step on
+    (PolyWarmUp's step k uses f(k); LambdaLR's uses f(k - 1), so Hugging Face's first step has LR 0)."""
+    torch.manual_seed(0)
+    start = torch.randn(6)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    total, warmup = 10, 0.2
+    ours_opt = torch.optim.AdamW([ours], lr=0.1, weight_decay=0.01)
+    theirs_opt = torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.01)
+    ours_sched = PolyWarmUpScheduler(ours_opt, warmup, total, degree=1.0)
+    theirs_sched = torch.optim.lr_scheduler.LambdaLR(
+        theirs_opt, lambda step: hugging_face_linear(step + 1, int(warmup * total), total))
+    for _ in range(total + 2):
+        grad = torch.randn(6)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        ours_opt.step()
+        theirs_opt.step()
+        ours_sched.step()
+        theirs_sched.step()
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-7)
