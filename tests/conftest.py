@@ -70,8 +70,8 @@ def tiny_shards(tmp_path_factory):
     return directory
 
 
-def make_pipeline_shards(directory, book: str, lines: int, shard_name: str):
-    """Shards (seq 128, 20 predictions) made by the real data/create_pretraining_data.py from the first `lines`
+def make_pipeline_shards(directory, book: str, lines: int, shard_name: str, seq_len: int = 128, max_pred: int = 20):
+    """Shards (seq_len, max_pred predictions) made by the real data/create_pretraining_data.py from the first `lines`
     lines of data/sample/books/<book> (paragraphs become documents, lines sentences); returns `directory`."""
     import gzip
     import subprocess
@@ -85,8 +85,8 @@ def make_pipeline_shards(directory, book: str, lines: int, shard_name: str):
     source.write_text("\n\n".join(documents) + "\n")
     subprocess.run([sys.executable, str(helpers.REPO_ROOT / "data" / "create_pretraining_data.py"),
                     "--input_file", str(source), "--output_file", str(directory / shard_name),
-                    "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"), "--max_seq_length", "128",
-                    "--max_predictions_per_seq", "20", "--dupe_factor", "1", "--n_processes", "1"],
+                    "--vocab_file", str(helpers.REPO_ROOT / "data" / "vocab.txt"), "--max_seq_length", str(seq_len),
+                    "--max_predictions_per_seq", str(max_pred), "--dupe_factor", "1", "--n_processes", "1"],
                    check=True, capture_output=True, timeout=300, env=helpers.checkout_env())
     source.unlink()
     return directory
