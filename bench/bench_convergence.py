@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-REGISTRY_HDF5 = REPO / "data" / "registry_work" / "hdf5_lower_case_1_seq_len_{seq}_max_pred_{pred}_masked_lm_prob_0.15" \
-    "_random_seed_12345_dupe_factor_5" / "registry_en_corpus"
+REGISTRY_HDF5 = REPO / "data" / "registry_work" / ("hdf5_lower_case_1_seq_len_{seq}_max_pred_{pred}_masked_lm_prob"
+                                                  "_0.15_random_seed_12345_dupe_factor_5") / "registry_en_corpus"
 PHASE2_SHARE = 9  # phase 2 sees 1/9 of phase 1's samples, at a third of its batch (the 1.5B launchers)
 
 
@@ -72,12 +72,12 @@ def parse_args(argv=None):
     parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256, help="global batch of a, c, d (b: 8x)")
+    parser.add_argument("--batch", type=int, default=192, help="global batch of a, c, d (b: 8x)")
     parser.add_argument("--micro_batch", type=int, default=32, help="per rank and micro-step")
-    parser.add_argument("--samples", type=int, default=256 * 8 * 60, help="phase-1 samples of every recipe")
-    parser.add_argument("--eval_every", type=int, default=256 * 8 * 6, help="samples between evaluations (a "
+    parser.add_argument("--samples", type=int, default=192 * 8 * 8, help="phase-1 samples of every recipe")
+    parser.add_argument("--eval_every", type=int, default=192 * 8 * 2, help="samples between evaluations (a "
                         "multiple of 8 x --batch)")
-    parser.add_argument("--num_eval_examples", type=int, default=2048)
+    parser.add_argument("--num_eval_examples", type=int, default=512)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=sorted(RECIPES))
     parser.add_argument("--no_phase2", action="store_true", help="skip a's phase-2 continuation")
@@ -126,8 +126,9 @@ def driver_command(args, run: dict, run_dir: Path) -> list[str]:
                  "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
     (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=1))
     (run_dir / "bert_config.json").write_text(json.dumps(model_config(args), indent=1))
-    # Phase 1: the same sample counts for every recipe; phase 2: about six points.
-    eval_interval = args.eval_every // run["batch"] if run["phase"] == 1 else max(1, run["steps"] // 6)
+    # Phase 1: the same sample counts for every recipe; phase 2 (a held-out pass at sequence 512 costs about 9
+    # phase-1 ones): halfway and at the end.
+    eval_interval = args.eval_every // run["batch"] if run["phase"] == 1 else max(1, run["steps"] // 2)
     launcher = ["deepspeed", "--log_level=warning", "--num_gpus", str(args.ranks), "--no_local_rank",
                 "--master_port", str(args.master_port)]
     command = [*launcher, str(REPO / "run_pretraining.py"), "--disable_progress_bar",

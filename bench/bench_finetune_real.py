@@ -121,7 +121,8 @@ def main(argv=None) -> None:
     if {"pretrained", "random"} & set(args.models) and not (Path(args.pretrained) / "done").exists():
         sys.exit(f"error: {args.pretrained} is not a finished bench_convergence.py run (no 'done' file)")
     rows = [["model", "learning_rate", "seed", "dev_accuracy", "test_accuracy"]]
-    table = ["| model | chosen lr (dev) | dev accuracy | test accuracy (reported once) | seeds |", "|---|---|---|---|---|"]
+    table = ["| model | chosen lr (dev) | dev accuracy | test accuracy (reported once) | seeds |",
+             "|---|---|---|---|---|"]
     for model in args.models:
         if model == "bow":
             bow = bag_of_words(args)

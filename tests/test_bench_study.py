@@ -49,7 +49,7 @@ def test_the_study_writes_its_table_csv_and_plot_and_reruns_nothing(study):
     work, stdout, (phase1, phase2) = study
     assert [line.split(":")[0] for line in stdout.splitlines() if line.startswith("== ")] == \
         ["== a_seed1", "== a_seed1_phase2", "== d_seed1"]
-    # a and d: 16 steps of 24 (384 samples), held-out points at 192 and 384; phase 2: 384 / 9 // 8 = 5 steps of 8.
+    # a and d: 16 steps of 24 (384 samples), held-out points at 192 and 384; phase 2: 384 // 9 // 8 = 5 steps of 8.
     for run, samples in (("a_seed1", 384), ("d_seed1", 384), ("a_seed1_phase2", 384 + 5 * 8)):
         assert re.search(rf"^\| {run} \| \w+ \| \d+ \| [0-9.e-]+ \| {samples} \| 0\.\d{{4}} \| \d+\.\d{{4}} \|",
                          stdout, re.M), stdout
