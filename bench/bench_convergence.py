@@ -74,7 +74,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=192, help="global batch of a, c, d (b: 8x)")
     parser.add_argument("--micro_batch", type=int, default=32, help="per rank and micro-step")
-    parser.add_argument("--samples", type=int, default=192 * 8 * 8, help="phase-1 samples of every recipe")
+    parser.add_argument("--samples", type=int, default=192 * 8 * 6, help="phase-1 samples of every recipe")
     parser.add_argument("--eval_every", type=int, default=192 * 8 * 2, help="samples between evaluations (a "
                         "multiple of 8 x --batch)")
     parser.add_argument("--num_eval_examples", type=int, default=512)
