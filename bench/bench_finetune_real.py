@@ -137,9 +137,9 @@ def main(argv=None) -> None:
         runs = by_lr[chosen]
         table.append(f"| {model} | {chosen:g} | {spread([r['dev'] for r in runs])} | "
                      f"{spread([r['test'] for r in runs])} | {len(runs)} |")
-    with open(work / "finetune_real.csv", "w", newline="") as out:
+    with open((work / "finetune_real").with_suffix(".csv"), "w", newline="") as out:
         csv.writer(out).writerows(rows)
-    (work / "finetune_real.md").write_text("\n".join(table) + "\n")
+    (work / "finetune_real").with_suffix(".md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 
 
