@@ -1035,7 +1035,7 @@ def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig
                  say: Callable[[str], None], *, checkpoint_interval: int, client_optimizer: str | None,
                  skip_memory_check: bool, device_memory: Callable[[torch.device], tuple]) -> None:
     """Refuse, before the model is built, a run the memory planner says cannot fit this device."""
-    run = sizing.Run.from_deepspeed_config(
+    run = sizing.TrainingSetup.from_deepspeed_config(
         ds_config, world, data.seq_len, data.max_pred, checkpoint_interval,
         # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
         client_optimizer if client_optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans", on_cpu=device.type == "cpu")

@@ -193,8 +193,8 @@ def run_once(args, work_dir: Path, data_dir: Path, name: str, config: Path, micr
           "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
           "steps_per_print": 10 ** 9}
     ds_config.write_text(json.dumps(ds))
-    plan = sizing.Run.from_deepspeed_config(dict(ds, gradient_accumulation_steps=1), 1, SEQ_LEN, MAX_PRED, 0, "lans",
-                                            on_cpu=device_type == "cpu")
+    plan = sizing.TrainingSetup.from_deepspeed_config(dict(ds, gradient_accumulation_steps=1), 1, SEQ_LEN, MAX_PRED,
+                                                      0, "lans", on_cpu=device_type == "cpu")
     planned = sizing.device_memory(BertConfig.from_json_file(config), plan)["total"]
     argv = ["--input_dir", str(data_dir), "--output_dir", str(run_dir / "checkpoints"), "--config_file", str(config),
             "--json-summary", str(run_dir / "dllogger.json"), "--optimizer", "lans", "--use_lr_scheduler",

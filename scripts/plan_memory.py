@@ -42,7 +42,7 @@ def parse_arguments(argv=None):
 
 
 def plan(args) -> tuple:
-    """(model config, sizing.Run, device_memory parts); ValueError/OSError on bad input."""
+    """(model config, sizing.TrainingSetup, device_memory parts); ValueError/OSError on bad input."""
     config = BertConfig.from_json_file(args.config)
     ds_config = json.loads(Path(args.deepspeed_config).read_text())
     if "train_micro_batch_size_per_gpu" not in ds_config:
@@ -55,7 +55,7 @@ def plan(args) -> tuple:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
     batch_arithmetic(ds_config, args.world_size, args.deepspeed_config)  # the driver's check of the global batch
-    run = sizing.Run.from_deepspeed_config(
+    run = sizing.TrainingSetup.from_deepspeed_config(
         ds_config, args.world_size, args.max_seq_length, args.max_predictions_per_seq,
         args.checkpoint_activations_interval if args.checkpoint_activations else 0, args.optimizer)
     return config, run, sizing.device_memory(config, run)

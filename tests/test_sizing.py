@@ -68,15 +68,15 @@ def test_activation_bytes_match_autograds_saved_tensors(dtype, pre_ln, interval)
 def test_zero_partitions_the_optimizer_states_and_not_the_weights():
     config = BertConfig.from_json_file(SCRIPTS / "bert_1.5b_config.json")
     psi = sizing.parameter_count(config)
-    one = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=1, zero_stage=1))
-    many = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=8, zero_stage=1))
+    one = sizing.device_memory(config, sizing.TrainingSetup(32, 128, 20, world_size=1, zero_stage=1))
+    many = sizing.device_memory(config, sizing.TrainingSetup(32, 128, 20, world_size=8, zero_stage=1))
     assert one["parameters"] == many["parameters"] == 2 * psi
     assert many["optimizer_states"] == pytest.approx(one["optimizer_states"] / 8)
     assert many["master_weights"] == pytest.approx(4 * psi / 8)
-    stage2 = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=8, zero_stage=2))
+    stage2 = sizing.device_memory(config, sizing.TrainingSetup(32, 128, 20, world_size=8, zero_stage=2))
     assert stage2["gradients"] == pytest.approx(2 * psi / 8)
     with pytest.raises(ValueError, match="stage 3"):
-        sizing.device_memory(config, sizing.Run(32, 128, 20, zero_stage=3))
+        sizing.device_memory(config, sizing.TrainingSetup(32, 128, 20, zero_stage=3))
 
 
 # Model states and activations both weigh: ~11 M parameters (14 bytes each with bf16 + fp32 master + two
@@ -121,7 +121,7 @@ def within(predicted: float, measured: tuple, rel: float) -> bool:
 def test_planner_matches_measured_peak_memory(tmp_path, stage, world, checkpoint, bucket, micro):
     """Within 15% of every rank's measured peak. Micro-batch 8 peaks in the optimizer step, 32 in the
     backward pass; measured figures are in docs/results.md (Memory planner)."""
-    run = sizing.Run(micro_batch=micro, seq_len=128, max_pred=20, world_size=world, zero_stage=stage,
+    run = sizing.TrainingSetup(micro_batch=micro, seq_len=128, max_pred=20, world_size=world, zero_stage=stage,
                      checkpoint_interval=1 if checkpoint else 0, reduce_bucket_size=bucket, on_cpu=True)
     predicted = sizing.device_memory(BertConfig(**MEASURED_MODEL), run)["total"]
     for low, high in measured_peaks(tmp_path, stage, world, checkpoint, bucket, micro):
@@ -140,7 +140,7 @@ def test_planner_counts_the_gradients_held_between_micro_batches(tmp_path):
     bf16_gradients = 2 * sum(parameter.numel() for parameter in BertForPreTraining(config).parameters())
     predicted, measured = {}, {}
     for gas in (1, 2):
-        run = sizing.Run(micro_batch=32, seq_len=128, max_pred=20, world_size=1, zero_stage=1,
+        run = sizing.TrainingSetup(micro_batch=32, seq_len=128, max_pred=20, world_size=1, zero_stage=1,
                          reduce_bucket_size=BUCKET, on_cpu=True, accumulation_steps=gas)
         predicted[gas] = sizing.device_memory(config, run)["total"]
         [measured[gas]] = measured_peaks(tmp_path / f"gas{gas}", 1, 1, False, BUCKET, 32, gas=gas)
@@ -153,17 +153,17 @@ def test_held_gradients_follow_the_zero_stage_and_the_json():
     config = BertConfig.from_json_file(SCRIPTS / "bert_1.5b_config.json")
     psi = sizing.parameter_count(config)
     for stage, held in ((0, 2 * psi), (1, 2 * psi), (2, 2 * psi / 8)):
-        parts = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=8, zero_stage=stage,
+        parts = sizing.device_memory(config, sizing.TrainingSetup(32, 128, 20, world_size=8, zero_stage=stage,
                                                         accumulation_steps=2))
         assert parts["held_gradients"] == pytest.approx(held)
-        single = sizing.device_memory(config, sizing.Run(32, 128, 20, world_size=8, zero_stage=stage))
+        single = sizing.device_memory(config, sizing.TrainingSetup(32, 128, 20, world_size=8, zero_stage=stage))
         assert single["held_gradients"] == 0
     # the recipe's global batch of 12288 over 8 ranks of micro-batch 32; a JSON's own value gives way to it
     ds_config = dict(json.loads((SCRIPTS / "deepspeed_config_bert_1.5b.json").read_text()),
                      gradient_accumulation_steps=1)
-    assert sizing.Run.from_deepspeed_config(ds_config, 8, 128, 20).accumulation_steps == 12288 // (32 * 8)
+    assert sizing.TrainingSetup.from_deepspeed_config(ds_config, 8, 128, 20).accumulation_steps == 12288 // (32 * 8)
     del ds_config["train_batch_size"]
-    assert sizing.Run.from_deepspeed_config(ds_config, 8, 128, 20).accumulation_steps == 1
+    assert sizing.TrainingSetup.from_deepspeed_config(ds_config, 8, 128, 20).accumulation_steps == 1
 
 
 def plan_memory(capsys, *argv):
@@ -192,7 +192,7 @@ def test_plan_memory_cli_says_what_is_needed_against_what_the_device_allows(caps
     model = BertConfig.from_json_file(SCRIPTS / "bert_5b_config.json")
     for extra, interval in (([], 0), (["--checkpoint_activations"], 1)):
         code, out, _ = plan_memory(capsys, *common, *extra)
-        run = sizing.Run.from_deepspeed_config(ds_config, 128, 128, 20, interval)
+        run = sizing.TrainingSetup.from_deepspeed_config(ds_config, 128, 128, 20, interval)
         total = sizing.device_memory(model, run)["total"]
         needs = f"needs {total / 2**30:.2f} GiB"
         assert code == 0 and f"{total / 2**30:.2f} GiB  per device" in out

@@ -80,8 +80,8 @@ def bf16_enabled(ds_config: dict) -> bool:
 
 
 @dataclasses.dataclass
-class Run:
-    """What besides the model config decides the memory of one device."""
+class TrainingSetup:
+    """What besides the model config decides the memory of one device: the training setup."""
     micro_batch: int
     seq_len: int
     max_pred: int
@@ -107,7 +107,8 @@ class Run:
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: dict, world_size: int, seq_len: int, max_pred: int,
-                              checkpoint_interval: int = 0, optimizer: str = "lans", on_cpu: bool = False) -> "Run":
+                              checkpoint_interval: int = 0, optimizer: str = "lans",
+                              on_cpu: bool = False) -> "TrainingSetup":
         zero = ds_config.get("zero_optimization", {}) or {}
         return cls(micro_batch=int(ds_config["train_micro_batch_size_per_gpu"]), seq_len=seq_len,
                    max_pred=max_pred, world_size=world_size, zero_stage=int(zero.get("stage", 0)),
@@ -119,7 +120,7 @@ class Run:
                    accumulation_steps=cls.accumulation_from_deepspeed_config(ds_config, world_size))
 
 
-def device_memory(config: BertConfig, run: Run) -> dict:
+def device_memory(config: BertConfig, setup: TrainingSetup) -> dict:
     """Predicted bytes per device, by part, and the peak ("total").
 
     Held all the time: the model's weights (bf16, or fp32 without bf16), the fp32 master weights (bf16
@@ -135,31 +136,31 @@ def device_memory(config: BertConfig, run: Run) -> dict:
     - the optimizer step: the model-dtype gradients (ZeRO-2: this rank's partition), DeepSpeed's fp32 copy
       of this rank's gradient partition, and the optimizer's temporaries (none of partition size for LANS on the CPU).
     """
-    if run.zero_stage not in (0, 1, 2):
-        raise ValueError(f"ZeRO stage {run.zero_stage}: the planner knows stages 0, 1 and 2")
-    if run.optimizer not in OPTIMIZER_TEMPORARIES:
-        raise ValueError(f"optimizer {run.optimizer!r}: the planner knows {sorted(OPTIMIZER_TEMPORARIES)}")
+    if setup.zero_stage not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage {setup.zero_stage}: the planner knows stages 0, 1 and 2")
+    if setup.optimizer not in OPTIMIZER_TEMPORARIES:
+        raise ValueError(f"optimizer {setup.optimizer!r}: the planner knows {sorted(OPTIMIZER_TEMPORARIES)}")
     params = parameter_count(config)
-    element = 2 if run.bf16 else 4
-    shards = run.world_size if run.zero_stage >= 1 else 1
+    element = 2 if setup.bf16 else 4
+    shards = setup.world_size if setup.zero_stage >= 1 else 1
     partition = params / shards
     parts = {"parameters": element * params,
-             "master_weights": 4 * partition if run.bf16 else 0,
+             "master_weights": 4 * partition if setup.bf16 else 0,
              "optimizer_states": MOMENT_BYTES * partition}
     parts["buffers"] = 0
-    if run.zero_stage >= 1 and run.contiguous_gradients:
-        parts["buffers"] = element * run.reduce_bucket_size * (2 if run.overlap_comm else 1)
-    parts["activations"] = activation_bytes(config, run.micro_batch, run.seq_len, run.max_pred, element,
-                                            run.checkpoint_interval)
-    masked_rows = run.micro_batch * run.max_pred
-    gradients = element * (partition if run.zero_stage == 2 else params)
-    parts["held_gradients"] = gradients if run.accumulation_steps > 1 else 0
+    if setup.zero_stage >= 1 and setup.contiguous_gradients:
+        parts["buffers"] = element * setup.reduce_bucket_size * (2 if setup.overlap_comm else 1)
+    parts["activations"] = activation_bytes(config, setup.micro_batch, setup.seq_len, setup.max_pred, element,
+                                            setup.checkpoint_interval)
+    masked_rows = setup.micro_batch * setup.max_pred
+    gradients = element * (partition if setup.zero_stage == 2 else params)
+    parts["held_gradients"] = gradients if setup.accumulation_steps > 1 else 0
     head_backward = (parts["activations"] + (element + LOSS_BYTES_PER_LOGIT) * masked_rows * config.padded_vocab_size
                      + element * config.padded_vocab_size * config.hidden_size + parts["held_gradients"])
-    fp32_gradients = 4 * partition if (run.bf16 or run.zero_stage >= 1) else 0
-    chunked = run.on_cpu and run.optimizer in CPU_CHUNKED_OPTIMIZERS
+    fp32_gradients = 4 * partition if (setup.bf16 or setup.zero_stage >= 1) else 0
+    chunked = setup.on_cpu and setup.optimizer in CPU_CHUNKED_OPTIMIZERS
     optimizer_step = (gradients + fp32_gradients
-                      + (0 if chunked else OPTIMIZER_TEMPORARIES[run.optimizer] * 4 * partition))
+                      + (0 if chunked else OPTIMIZER_TEMPORARIES[setup.optimizer] * 4 * partition))
     parts["gradients"] = gradients
     parts["peak_transient"] = max(head_backward, optimizer_step)
     parts["peak_moment"] = "backward (MLM head)" if head_backward >= optimizer_step else "optimizer step"
