@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,6 +62,7 @@ from training import (
     zero_partitions,
 )
 from training.deepspeed_engine import optimizer_step_suppressed
+from training.schedule_resume import follow_changed_schedule
 
 if TYPE_CHECKING:  # deepspeed is imported only after device_setup.choose_accelerator has picked the device
     import dllogger
@@ -140,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint.")
     checkpoints.add_argument("--init_checkpoint", default=None, help="Start from these weights (checkpoint tag "
                              "dir or state-dict file) with a fresh optimizer (default: none, fresh weights).")
-    checkpoints.add_argument("--num_steps_per_checkpoint", type=int, default=100, help="Save every N optimizer "
-                             "steps of this run.")
+    checkpoints.add_argument("--num_steps_per_checkpoint", type=int, default=100, help="Save when the global "
+                             "step (in phase 2 counted on from --phase1_end_step) is a multiple of N.")
     checkpoints.add_argument("--keep_last_n_checkpoints", type=int, default=0, help="Keep only the newest N "
                              "checkpoints (0 = keep all).")
     checkpoints.add_argument("--skip_checkpoint", action="store_true", help="Never save checkpoints.")
@@ -220,27 +221,118 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# ============================================================================ validation (before any step)
+# ============================================================================ configuration (before any step)
 
-@dataclass
-class DataInfo:
-    shards: list
-    seq_len: int
-    max_pred: int
-    num_samples: int
-    shard_files: LocalShardFiles | storage.ShardCache  # the cache for an s3:// --input_dir
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The settings of a run, typed and checked: every flag that does something (the reference's names; its
+    float step counts as whole numbers), the DeepSpeed JSON and the model config. build_config makes it from
+    the flags, once; nothing below main reads the flags themselves."""
+    # data
+    input_dir: str
+    max_predictions_per_seq: int
+    disable_random_sampler: bool
+    data_memory_budget_mb: float
+    skip_bad_shards: bool
+    # model
+    config_file: str
+    model_config: BertConfig       # read from config_file
+    checkpoint_activations: bool
+    checkpoint_activations_interval: int
+    torch_compile: tuple[str | None, str | None] | None  # (backend, mode) with --enable_torch_compile, else None
+    # schedule and optimizer
+    optimizer: str | None          # None: the DeepSpeed JSON's
+    betas: tuple[float, float] | None
+    lans_blocks: str
+    learning_rate: float
+    use_lr_scheduler: bool
+    max_steps: int
+    warmup_proportion: float
+    constant_proportion: float
+    scheduler_degree: float
+    steps_this_run: int            # -1: until max_steps
+    phase2: bool
+    phase1_end_step: int
+    seed: int
+    max_bad_steps: int
+    # checkpoints
+    output_dir: str
+    resume_from_checkpoint: bool
+    resume_step: int               # -1: the newest complete checkpoint
+    init_checkpoint: str | None
+    num_steps_per_checkpoint: int
+    keep_last_n_checkpoints: int   # 0: keep all
+    skip_checkpoint: bool
+    # devices and distribution
+    use_hpu: bool
+    no_cuda: bool
+    local_rank: int
+    collective_timeout_s: float
+    skip_memory_check: bool
+    world_size: int                # the launcher's WORLD_SIZE
+    # S3
+    s3_cache_dir: str
+    s3_cache_gb: float
+    s3_endpoint_url: str | None
+    # logging
+    json_summary: str
+    log_freq: int
+    disable_progress_bar: bool
+    peak_tflops: float | None
+    profile: str | None
+    profile_steps: str
+    # held-out evaluation
+    eval_dir: str | None           # None: no evaluation
+    eval_interval: int
+    num_eval_examples: int
+    eval_batch_size: int
+    skip_train: bool
+    # DeepSpeed
+    deepspeed_config: str | None
+    ds_config: dict                # read from deepspeed_config, with its optimizer (common/deepspeed_config.py)
+
+    @property
+    def activation_checkpoint_interval(self) -> int:
+        """Layers per activation-checkpointed chunk, 0 for none."""
+        return self.checkpoint_activations_interval if self.checkpoint_activations else 0
+
+    @property
+    def lr_schedule(self) -> dict | None:
+        """PolyWarmUpScheduler's keyword arguments with --use_lr_scheduler, else None."""
+        if not self.use_lr_scheduler:
+            return None
+        return {"warmup": self.warmup_proportion, "total_steps": self.max_steps, "degree": self.scheduler_degree,
+                "constant": self.constant_proportion}
+
+    @property
+    def resume_tag(self) -> str | None:
+        return str(self.resume_step) if self.resume_step >= 0 else None
+
+    def flags(self) -> dict:
+        """The flags' values, as the logged "Config" record shows them (the JSON files are logged apart)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model_config", "ds_config")}
 
 
-def validate_args(args, world_size: int) -> tuple:
-    """Every check that needs no device: returns (ds_config, model_config, data_info, checkpoint copies
-    to S3 or None); raises InputError."""
+def whole_steps(flag: str, value: float) -> int:
+    """A step count that the reference's parser reads as a float (--max_steps, --log_freq), as an int: at
+    least 1, and whole."""
+    if value < 1:
+        raise InputError(f"--{flag} must be at least 1, got {int(value) if float(value).is_integer() else value}")
+    if not float(value).is_integer():
+        raise InputError(f"--{flag} must be a whole number of steps, got {value}")
+    return int(value)
+
+
+def build_config(args: argparse.Namespace, world_size: int) -> Config:
+    """The one place that reads the flags: checks every value that needs no file, reads the two JSON files
+    and returns the run's Config; raises InputError."""
     if args.optimizer is not None and args.optimizer not in OPTIMIZERS:
         raise InputError(f"unknown --optimizer {args.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     profiling.check_profiler(args.profile, args.profile_steps, args.use_hpu)
     compile_mode.check_compile_flags(args.enable_torch_compile, args.torch_compile_backend, args.torch_compile_mode,
                                      args.use_hpu)
-    for name in ("max_steps", "log_freq", "num_steps_per_checkpoint", "max_bad_steps",
-                 "checkpoint_activations_interval"):
+    max_steps, log_freq = whole_steps("max_steps", args.max_steps), whole_steps("log_freq", args.log_freq)
+    for name in ("num_steps_per_checkpoint", "max_bad_steps", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
     for name in ("seed", "keep_last_n_checkpoints"):  # numpy seeds are non-negative; 0 = keep all
@@ -258,15 +350,46 @@ def validate_args(args, world_size: int) -> tuple:
         raise InputError(f"--data_memory_budget_mb must be positive, got {args.data_memory_budget_mb}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise InputError(f"--peak_tflops must be positive, got {args.peak_tflops}")
+    for name in ("eval_interval", "num_eval_examples", "eval_batch_size"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.eval_dir is None and args.skip_train:
+        raise InputError("--skip_train needs --eval_dir: it evaluates and does nothing else")
+    if args.eval_dir is not None and storage.is_s3_url(args.eval_dir):
+        raise InputError(f"--eval_dir {args.eval_dir}: held-out shards are read from a local directory only")
+    ds_config = deepspeed_config_with_optimizer(args.deepspeed_config, world_size, args.optimizer)
     try:
-        copies = (open_s3_output(args.output_dir, args.s3_endpoint_url, Path(args.s3_cache_dir),
-                                 args.keep_last_n_checkpoints, resuming=args.resume_from_checkpoint)
-                  if storage.is_s3_url(args.output_dir) else None)
+        model_config = BertConfig.from_json_file(args.config_file)
+    except (OSError, ValueError) as err:
+        raise InputError(f"--config_file {args.config_file}: {err}") from err
+    return command_line.settings_from_flags(
+        Config, args, max_steps=max_steps, log_freq=log_freq, model_config=model_config, ds_config=ds_config,
+        world_size=world_size, betas=tuple(args.betas) if args.betas is not None else None,
+        torch_compile=(args.torch_compile_backend, args.torch_compile_mode) if args.enable_torch_compile else None)
+
+
+@dataclass
+class DataInfo:
+    shards: list
+    seq_len: int
+    max_pred: int
+    num_samples: int
+    shard_files: LocalShardFiles | storage.ShardCache  # the cache for an s3:// --input_dir
+
+
+def open_inputs(config: Config) -> tuple[DataInfo, DataInfo | None, checkpoint_s3.CheckpointUploader | None]:
+    """Every check of the files and stores the run reads and writes that needs no device: returns the
+    training data, the held-out data (None without --eval_dir) and the checkpoint copies to S3 (None for a
+    local --output_dir); raises InputError."""
+    try:
+        copies = (open_s3_output(config.output_dir, config.s3_endpoint_url, Path(config.s3_cache_dir),
+                                 config.keep_last_n_checkpoints, resuming=config.resume_from_checkpoint)
+                  if storage.is_s3_url(config.output_dir) else None)
     except storage.StorageError as err:
         raise HostInputError(str(err)) from err
-    output_dir = Path(args.output_dir)
+    output_dir = Path(config.output_dir)
     # Another rank's write probe (below) may be there for a moment: it does not count.
-    if (copies is None and output_dir.is_dir() and not args.resume_from_checkpoint
+    if (copies is None and output_dir.is_dir() and not config.resume_from_checkpoint
             and any(not p.name.startswith(storage.WRITE_PROBE_PREFIX) for p in output_dir.iterdir())):
         raise InputError(f"--output_dir {output_dir} is not empty: pass --resume_from_checkpoint "
                          "or use an empty directory")
@@ -274,60 +397,51 @@ def validate_args(args, world_size: int) -> tuple:
         command_line.check_writable_directory(output_dir, "--output_dir")
     else:  # checkpoints are written there before they are copied to S3
         command_line.check_writable_directory(copies.local_dir, "--s3_cache_dir")
-    command_line.check_writable_file(args.json_summary, "--json-summary")
-    if args.init_checkpoint is not None and not Path(args.init_checkpoint).exists():
-        raise HostInputError(f"--init_checkpoint {args.init_checkpoint} does not exist")
-    ds_config = deepspeed_config_with_optimizer(args.deepspeed_config, world_size, args.optimizer)
+    command_line.check_writable_file(config.json_summary, "--json-summary")
+    if config.init_checkpoint is not None and not Path(config.init_checkpoint).exists():
+        raise HostInputError(f"--init_checkpoint {config.init_checkpoint} does not exist")
     try:
-        model_config = BertConfig.from_json_file(args.config_file)
-    except (OSError, ValueError) as err:
-        raise InputError(f"--config_file {args.config_file}: {err}") from err
-    try:
-        shard_files = open_shard_files(args.input_dir, args.s3_endpoint_url, args.s3_cache_dir, args.s3_cache_gb)
+        shard_files = open_shard_files(config.input_dir, config.s3_endpoint_url, config.s3_cache_dir,
+                                       config.s3_cache_gb)
     except storage.StorageError as err:
         raise HostInputError(str(err)) from err
-    data = inspect_data(args.input_dir, shard_files, args.max_predictions_per_seq,
-                        ds_config["train_micro_batch_size_per_gpu"] * world_size)
+    data = inspect_data(config.input_dir, shard_files, config.max_predictions_per_seq,
+                        config.ds_config["train_micro_batch_size_per_gpu"] * config.world_size)
+    model_config = config.model_config
     if data.seq_len > model_config.max_position_embeddings:
         raise InputError(f"the shards' sequences have {data.seq_len} tokens, more than max_position_embeddings "
-                         f"{model_config.max_position_embeddings} of --config_file {args.config_file}")
-    return ds_config, model_config, data, copies
+                         f"{model_config.max_position_embeddings} of --config_file {config.config_file}")
+    return data, open_held_out(config, data), copies
 
 
-def validate_held_out(args, data: DataInfo) -> DataInfo | None:
-    """The checks of --eval_dir and its flags (before any step; the values are checked when the held-out samples
-    are read, also before the first step); None without --eval_dir."""
-    for name in ("eval_interval", "num_eval_examples", "eval_batch_size"):
-        if getattr(args, name) < 1:
-            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.eval_dir is None:
-        if args.skip_train:
-            raise InputError("--skip_train needs --eval_dir: it evaluates and does nothing else")
+def open_held_out(config: Config, data: DataInfo) -> DataInfo | None:
+    """The headers of --eval_dir's shards, checked (their values are checked when the held-out samples are read,
+    also before the first step); None without --eval_dir."""
+    if config.eval_dir is None:
         return None
-    if storage.is_s3_url(args.eval_dir):
-        raise InputError(f"--eval_dir {args.eval_dir}: held-out shards are read from a local directory only")
-    held_out = inspect_data(args.eval_dir, open_shard_files(args.eval_dir, None, "", 0, flag="--eval_dir"),
-                            args.max_predictions_per_seq, args.num_eval_examples, held_out=True)
+    held_out = inspect_data(config.eval_dir, open_shard_files(config.eval_dir, None, "", 0, flag="--eval_dir"),
+                            config.max_predictions_per_seq, config.num_eval_examples, held_out=True)
     if held_out.seq_len != data.seq_len:
-        raise InputError(f"--eval_dir {args.eval_dir} holds sequences of {held_out.seq_len} tokens, the training "
-                         f"shards of --input_dir {args.input_dir} of {data.seq_len}: held-out shards must be made "
+        raise InputError(f"--eval_dir {config.eval_dir} holds sequences of {held_out.seq_len} tokens, the training "
+                         f"shards of --input_dir {config.input_dir} of {data.seq_len}: held-out shards must be made "
                          "like the training shards")
     return held_out
 
 
-def read_held_out(held_out: DataInfo, args, model_config: BertConfig, rank: int, world: int) -> evaluation.HeldOutSet:
+def read_held_out(held_out: DataInfo, config: Config, rank: int, world: int) -> evaluation.HeldOutSet:
     """This rank's chunks of the held-out samples (every rank reads and checks all of them: a token id beyond
     the model's vocabulary fails every rank alike, before the first step)."""
-    window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), held_out.seq_len,
+    window_size = window_size_for_budget(int(config.data_memory_budget_mb * 2 ** 20), held_out.seq_len,
                                          held_out.max_pred)
+    model_config = config.model_config
     reader = WindowReader(held_out.shards, 0, window_size, model_config.vocab_size, shuffle=False,
                           shard_files=held_out.shard_files, type_vocab_size=model_config.type_vocab_size)
     try:
-        chunks = fixed_chunks(reader, args.num_eval_examples, args.eval_batch_size, rank, world)
+        chunks = fixed_chunks(reader, config.num_eval_examples, config.eval_batch_size, rank, world)
     except ShardError as err:
         raise InputErrorOnEveryRank(f"--eval_dir: {err}") from err
-    return evaluation.HeldOutSet(chunks=chunks, num_chunks=math.ceil(args.num_eval_examples / args.eval_batch_size),
-                                 num_samples=args.num_eval_examples)
+    return evaluation.HeldOutSet(chunks=chunks, num_chunks=math.ceil(config.num_eval_examples / config.eval_batch_size),
+                                 num_samples=config.num_eval_examples)
 
 
 def open_s3_output(url: str, endpoint_url: str | None, cache_dir: Path, keep_last_n: int, *,
@@ -472,9 +586,14 @@ class TrainState:
     open_window: dict = field(default_factory=dict)
 
 
+def steps_of_both_phases(state: TrainState, phase1_end_step: int) -> int:
+    """The global step counted from phase 1's start: phase 2's steps continue after phase 1's."""
+    return state.global_step + (phase1_end_step if state.phase == 2 else 0)
+
+
 def checkpoint_tag(state: TrainState, phase1_end_step: int) -> str:
     # Phase-2 tags continue after phase 1's, so both phases can share one output directory.
-    return str(state.global_step + (phase1_end_step if state.phase == 2 else 0))
+    return str(steps_of_both_phases(state, phase1_end_step))
 
 
 def describe_data_layout(shards: list, window_size: int, seed: int, shuffle: bool) -> dict:
@@ -499,77 +618,63 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
                              f"{current[key]!r} now (set by {flag}); resume with the same data and settings")
 
 
-def restore_state(checkpoint_dir: Path, engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer,
-                  config: BertConfig, data_layout: dict, say: Callable[[str], None], *, resume: bool,
-                  resume_tag: str | None, phase2: bool, phase1_end_step: int, seed: int,
-                  output_dir: str) -> tuple[TrainState, str | None]:
-    """(state, the tag of the checkpoint resumed from or None). Resume from checkpoint_dir (--output_dir, or the
-    staging copy of an s3:// one, which messages name by output_dir) when resume (--resume_from_checkpoint);
-    otherwise (or when it holds no checkpoint) a fresh state. resume_tag: --resume_step, None for the newest
-    complete checkpoint. phase2: --phase2 (with phase1_end_step, --phase1_end_step). seed: --seed, re-seeds the
-    ranks after a resume on another world size."""
-    fresh = TrainState(phase=2 if phase2 else 1)
-    if not resume:
-        return fresh, None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tag = resume_tag if resume_tag is not None else checkpointing.find_resume_tag(checkpoint_dir,
-                                                                                   model_config=config.to_dict())
+def choose_checkpoint(config: Config, checkpoint_dir: Path, copies: checkpoint_s3.CheckpointUploader | None,
+                      device: torch.device, say: Callable[[str], None]) -> str | None:
+    """The tag a resume loads (None: a fresh start), chosen and checked before the model and the engine are
+    built (minutes for the 5B model): a checkpoint of another model config, or a --resume_step that
+    --output_dir lacks, is refused from its manifest. With an s3:// --output_dir, collective: the staging
+    directory checkpoint_dir is emptied, or given the checkpoint to resume from."""
+    if copies is not None:  # for an s3:// --output_dir, prepare() refuses a tag the prefix lacks
+        copies.prepare(device, config.resume_from_checkpoint, config.resume_tag, say=say)
+    if not config.resume_from_checkpoint:
+        return None
+    model_config = config.model_config.to_dict()
+    tag = config.resume_tag
     if tag is None:
-        say(f"no checkpoint in {output_dir}: starting from scratch")
-        return fresh, None
-    # (for an s3:// --output_dir, prepare() has already refused a tag the prefix lacks)
-    if resume_tag is not None and not (checkpoint_dir / tag).is_dir():
-        raise InputError(f"--resume_step {tag}: {output_dir} holds no checkpoint {tag}")
+        tag = checkpointing.find_resume_tag(checkpoint_dir, model_config=model_config)
+        if tag is None:
+            say(f"no checkpoint in {config.output_dir}: starting from scratch")
+        return tag
+    if not (checkpoint_dir / tag).is_dir():
+        raise InputError(f"--resume_step {tag}: {config.output_dir} holds no checkpoint {tag}")
+    checkpoint_resume.check_resumable(checkpoint_dir, tag, model_config=model_config)
+    return tag
+
+
+def restore_state(run: "RunObjects", config: Config, tag: str | None, data_layout: dict) -> TrainState:
+    """Resume from checkpoint `tag` (choose_checkpoint's) in run.checkpoint_dir (--output_dir, or the staging
+    copy of an s3:// one); a fresh state when tag is None. --phase2 with a phase-1 checkpoint starts phase 2
+    from it; a resume on another world size re-seeds the ranks."""
+    fresh = TrainState(phase=2 if config.phase2 else 1)
+    if tag is None:
+        return fresh
+    engine, world, rank = run.engine, dist.get_world_size(), dist.get_rank()
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    # The model config is checked before DeepSpeed loads anything, for a --resume_step tag too.
-    client, rank_state = checkpoint_resume.load_checkpoint(engine, checkpoint_dir, tag, rank, world,
-                                                       model_config=config.to_dict(), say=say)
+    client, rank_state = checkpoint_resume.load_checkpoint(engine, run.checkpoint_dir, tag, rank, world,
+                                                           model_config=config.model_config.to_dict(), say=run.say)
     # Checkpoints from before the streak was saved lack it: such a resume counts the streak from 0.
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"], client.get("bad_steps_in_a_row", 0))
     if rank_state is None:  # another world size: new per-rank streams, distinct from those of step 0
-        device_setup.seed_everything(seed + rank + world * state.global_step)
+        device_setup.seed_everything(config.seed + rank + world * state.global_step)
     else:
         checkpointing.restore_rng_state(rank_state["rng"], engine.device)
         state.open_window = rank_state.get("log_window", {})
-    if phase2 and state.phase == 1:
-        if state.global_step != phase1_end_step:
+    if config.phase2 and state.phase == 1:
+        if state.global_step != config.phase1_end_step:
             raise InputError(f"checkpoint {tag} is at step {state.global_step}, "
-                             f"but --phase1_end_step is {phase1_end_step}")
-        start_phase2(engine, optimizer, fresh_schedule)
+                             f"but --phase1_end_step is {config.phase1_end_step}")
+        start_phase2(engine, run.optimizer, fresh_schedule)
         state = TrainState(phase=2)  # phase 2 reads its own data from position 0
     else:
         check_data_layout(client["data_layout"], data_layout, tag)
-    say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
-        f"{state.samples_consumed} samples consumed")
+    run.say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
+            f"{state.samples_consumed} samples consumed")
     # Only PolyWarmUp (--use_lr_scheduler) saves its schedule; a DeepSpeed JSON scheduler saves only its step
     # and takes its parameters from the JSON at every start.
-    if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (phase2 and client["phase"] == 1):
-        follow_changed_schedule(engine.lr_scheduler, fresh_schedule, say)
-    return state, tag
-
-
-SCHEDULE_FLAGS = {"total_steps": "--max_steps", "warmup": "--warmup_proportion",
-                  "constant": "--constant_proportion", "degree": "--scheduler_degree", "base_lrs": "--learning_rate"}
-
-
-def follow_changed_schedule(scheduler: PolyWarmUpScheduler, wanted: dict, say: Callable[[str], None]) -> None:
-    """A resume with another --max_steps, warm-up, constant part, degree or LR: the schedule of the new
-    flags from the step reached on. The restored scheduler would follow the old flags: past the old
-    --max_steps its LR is 0, so a longer run would train at LR 0. The LR curve bends (or jumps) here."""
-    saved = scheduler.state_dict()
-    changes = [f"{flag} {saved[key][0] if key == 'base_lrs' else saved[key]} -> "
-               f"{wanted[key][0] if key == 'base_lrs' else wanted[key]}"
-               for key, flag in SCHEDULE_FLAGS.items() if saved[key] != wanted[key]]
-    if not changes:
-        return
-    old_lr = scheduler.get_lr()[0]
-    scheduler.load_state_dict({**wanted, "last_step": saved["last_step"]})
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr(), strict=True):
-        group["lr"] = lr
-    say(f"the LR schedule changed since the checkpoint ({', '.join(changes)}): from step {saved['last_step']} on, "
-        f"the LR follows the new flags ({old_lr:.4g} -> {scheduler.get_lr()[0]:.4g} at that step); the LR curve "
-        f"bends there")
+    if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (config.phase2 and client["phase"] == 1):
+        follow_changed_schedule(engine.lr_scheduler, fresh_schedule, run.say)
+    return state
 
 
 def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer, fresh_schedule: dict | None) -> None:
@@ -585,22 +690,23 @@ def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer, fr
     engine.global_steps = engine.global_samples = engine.skipped_steps = 0
 
 
-def save(run: "Run", state: TrainState, window: "LogWindow") -> str:
+def save(run: "RunObjects", settings: "RunSettings", state: TrainState, window: "LogWindow") -> str:
     """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's). With an
     s3:// --output_dir, the copy of the previous checkpoint is waited for, and this one's started."""
-    tag = checkpoint_tag(state, run.phase1_end_step)
+    config = settings.config
+    tag = checkpoint_tag(state, config.phase1_end_step)
     client_state = {"global_step": state.global_step, "samples_consumed": state.samples_consumed,
-                    "epoch": state.samples_consumed // run.epoch_size, "phase": state.phase,
-                    "model_config": run.model_config.to_dict(), "world_size": run.world,
+                    "epoch": state.samples_consumed // settings.epoch_size, "phase": state.phase,
+                    "model_config": config.model_config.to_dict(), "world_size": settings.world,
                     "skipped_shards": list(state.skipped_shards), "bad_steps": state.bad_steps,
-                    "bad_steps_in_a_row": state.bad_steps_in_a_row, "data_layout": run.data_layout}
+                    "bad_steps_in_a_row": state.bad_steps_in_a_row, "data_layout": settings.data_layout}
     if run.copies is not None:
         run.copies.finish(run.device)
     log_window_losses = {"local_losses": list(window.local_losses), "all_rank_losses": list(window.all_rank_losses)}
     checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,
                                   {"rng": checkpointing.capture_rng_state(run.device), "log_window": log_window_losses})
-    if run.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
-        checkpointing.prune_checkpoints(run.checkpoint_dir, run.keep_last_n_checkpoints)
+    if config.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
+        checkpointing.prune_checkpoints(run.checkpoint_dir, config.keep_last_n_checkpoints)
     if run.copies is not None:
         run.copies.start(tag)
     run.say(f"saved checkpoint {tag}")
@@ -615,7 +721,7 @@ class LogWindow:
     """Loss and time accumulated since the last log record (the reference's average_loss etc.).
 
     Skipped (non-finite) steps count for the time but not for the losses: their loss is meaningless."""
-    started: float               # Run.clock() at the window's start
+    started: float               # RunObjects.clock() at the window's start
     steps: int = 0
     local_losses: list = field(default_factory=list)      # this rank's mean loss per finite optimizer step
     all_rank_losses: list = field(default_factory=list)   # the same averaged over ranks
@@ -630,9 +736,32 @@ class LogWindow:
         self.last_micro_loss, self.learning_rate = result.last_micro_loss, result.learning_rate
 
 
-@dataclass(kw_only=True)
-class Run:
-    """What the loop needs besides its state; built once in main."""
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """What the loop follows, fixed for the run: the Config, and what the data, the engine and the device add."""
+    config: Config
+    micro_batch: int
+    gas: int
+    world: int
+    seq_len: int
+    epoch_size: int
+    data_layout: dict
+    flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
+    peak_tflops: float         # one device's matmul peak, the denominator of MFU
+    progress_bar: bool         # rank 0 without --disable_progress_bar
+
+    @property
+    def steps_this_run(self) -> float:
+        return math.inf if self.config.steps_this_run == -1 else self.config.steps_this_run
+
+    @property
+    def checkpoint_every(self) -> int | None:
+        return None if self.config.skip_checkpoint else self.config.num_steps_per_checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunObjects:
+    """The live objects of a run that the loop works with; built once in train_run."""
     engine: "DeepSpeedEngine"
     optimizer: torch.optim.Optimizer  # the one that steps (the client's, else the JSON's): its param_groups hold the LR
     criterion: BertPretrainingCriterion
@@ -641,46 +770,28 @@ class Run:
     all_gather_object: Callable[[list, object], object]  # dist.all_gather_object (rare: shards skipped somewhere)
     device: torch.device
     logger: "dllogger.Logger"  # logs.build_logger: dllogger's, or dllogger_fallback's without the package
-    micro_batch: int
-    gas: int
-    world: int
-    seq_len: int
-    model_config: BertConfig
     say: Callable[[str], None]  # prints on rank 0, nothing elsewhere
-    epoch_size: int
-    data_layout: dict
     checkpoint_dir: Path  # where checkpoints are written: --output_dir, or the staging dir of an s3:// one
     copies: checkpoint_s3.CheckpointUploader | None  # for an s3:// --output_dir
-    flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
-    peak_tflops: float         # one device's matmul peak, the denominator of MFU
     graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (training/gaudi.py); else none
     status_file: run_status.StatusFile  # rank 0's report to the supervisor: the last checkpoint saved
-    # from the flags
-    max_steps: int
-    steps_this_run: float          # math.inf for --steps_this_run -1
-    log_freq: int
-    max_bad_steps: int
-    checkpoint_every: int | None   # --num_steps_per_checkpoint; None with --skip_checkpoint
-    keep_last_n_checkpoints: int   # 0 = keep all
-    phase1_end_step: int
-    log_first_step_time: bool      # --enable_torch_compile: the first step's time is mostly compilation
-    progress_bar: bool             # rank 0 without --disable_progress_bar
     held_out: evaluation.HeldOutSet | None  # --eval_dir's samples (this rank's chunks), None without it
-    eval_interval: int             # --eval_interval
 
 
-def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = False) -> dict:
+def log_window(run: RunObjects, settings: RunSettings, state: TrainState, window: LogWindow,
+               final: bool = False) -> dict:
     """One dllogger record, computed as the reference computes it; returns the record."""
     step_time = (run.clock() - window.started) / max(window.steps, 1)
-    model_tflops = run.micro_batch * run.gas / step_time * run.flops_per_sequence / 1e12  # per device
+    sequences_per_step = settings.micro_batch * settings.gas  # per device
+    model_tflops = sequences_per_step / step_time * settings.flops_per_sequence / 1e12
     record = {"average_loss": mean_or_nan(window.local_losses),
               "all_ranks_average_loss": mean_or_nan(window.all_rank_losses),
               "step_loss": window.last_micro_loss,
               "learning_rate": window.learning_rate,  # applied by the last step (the reference: the next one's)
               "average_training_time_step": step_time,
-              "average_perf_per_step": run.micro_batch * run.gas / step_time,
-              "tokens_per_second": run.micro_batch * run.gas * run.world * run.seq_len / step_time,
-              "model_tflops": model_tflops, "mfu": model_tflops / run.peak_tflops,
+              "average_perf_per_step": sequences_per_step / step_time,
+              "tokens_per_second": sequences_per_step * settings.world * settings.seq_len / step_time,
+              "model_tflops": model_tflops, "mfu": model_tflops / settings.peak_tflops,
               "skipped_steps": state.bad_steps}
     if run.engine.monitor.enabled and not final:  # TensorBoard / CSV / W&B, as the DeepSpeed JSON asks
         run.engine.monitor.write_events([(f"Train/{key}", value, state.global_step) for key, value in record.items()])
@@ -688,7 +799,7 @@ def log_window(run: Run, state: TrainState, window: LogWindow, final: bool = Fal
         record = {"final_loss": record["all_ranks_average_loss"],
                   "average_training_time_step": step_time, "average_perf_per_step": record["average_perf_per_step"],
                   "model_tflops": model_tflops, "mfu": record["mfu"]}
-    run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step), data=record)
+    run.logger.log(step=(state.samples_consumed // settings.epoch_size, state.global_step), data=record)
     # On disk at once: a rank whose collective fails leaves with os._exit (command_line.run_cli), which drops
     # what the stream still buffers, and a restarted job's log would lack the steps of the failed attempt.
     run.logger.flush()
@@ -714,13 +825,14 @@ class StepResult:
     next_position: int       # stream position after this step's last global micro-batch
 
 
-def train_step(run: Run, batches, stop_event, profiler, agreed_skipped_shards=()) -> StepResult:
+def train_step(run: RunObjects, settings: RunSettings, batches, stop_event, profiler,
+               agreed_skipped_shards=()) -> StepResult:
     """GAS micro-batches: forward, backward, engine.step() (on an HPU in lazy mode with the reference's
     mark_steps, run.graph_breaks); the ranks agree on skip/stop before the update. agreed_skipped_shards:
     the shards every rank had dropped before this step."""
-    engine, losses = run.engine, []
+    engine, gas, losses = run.engine, settings.gas, []
     skipped_before = engine.skipped_steps
-    for micro in range(run.gas):
+    for micro in range(gas):
         batch = next(batches)
         if batch.crosses_epoch:
             run.say(f"epoch {batch.epoch} ends inside the global micro-batch at sample {batch.position}: "
@@ -733,19 +845,19 @@ def train_step(run: Run, batches, stop_event, profiler, agreed_skipped_shards=()
         engine.backward(loss)
         run.graph_breaks.after_backward()
         losses.append(loss.detach().float())
-        if micro == run.gas - 1:
+        if micro == gas - 1:
             newly_skipped = len(batch.skipped_shards) > len(agreed_skipped_shards)
             nonfinite, stop, newly_skipped, loss_sum = agree_across_ranks(torch.stack(losses), stop_event.is_set(),
                                                                           newly_skipped, run.device, run.all_reduce)
             learning_rate = run.optimizer.param_groups[0]["lr"]
-        with optimizer_step_suppressed(run.optimizer) if micro == run.gas - 1 and nonfinite else nullcontext():
+        with optimizer_step_suppressed(run.optimizer) if micro == gas - 1 and nonfinite else nullcontext():
             engine.step()
         run.graph_breaks.after_step()
         if profiler is not None:
             profiler.step()
     local_loss = float(torch.stack(losses).mean())
     finite = not nonfinite and engine.skipped_steps == skipped_before
-    return StepResult(learning_rate, local_loss, loss_sum / run.world, float(losses[-1]), finite, stop,
+    return StepResult(learning_rate, local_loss, loss_sum / settings.world, float(losses[-1]), finite, stop,
                       batch.skipped_shards, newly_skipped, batch.next_position)
 
 
@@ -761,11 +873,12 @@ def agree_across_ranks(losses: torch.Tensor, stop_local: bool, skipped_local: bo
     return nonfinite > 0, stop > 0, skipped > 0, loss_sum
 
 
-def agree_on_skipped_shards(run: Run, state: TrainState, result: StepResult, batches: RankBatches) -> None:
+def agree_on_skipped_shards(run: RunObjects, settings: RunSettings, state: TrainState, result: StepResult,
+                            batches: RankBatches) -> None:
     """Some rank dropped a shard in this step (--skip_bad_shards): every rank drops the union of the ranks'
     lists from the next step on, so that the ranks keep slicing one stream (and the checkpoint, written by
     rank 0, holds every rank's list). The rank that met the bad shard read the rest of this step without it."""
-    lists = [None] * run.world
+    lists = [None] * settings.world
     run.all_gather_object(lists, list(result.skipped_shards))
     agreed = sorted(set(state.skipped_shards).union(*lists))
     for name in agreed:
@@ -780,25 +893,26 @@ def agree_on_skipped_shards(run: Run, state: TrainState, result: StepResult, bat
 
 # ============================================================================ the loop
 
-def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
+def train(run: RunObjects, settings: RunSettings, state: TrainState, batches, stop_event, profiler) -> dict:
     """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
-    say, every, clock = run.say, run.checkpoint_every, run.clock
-    progress = progress_display.progress_bar(run.progress_bar, run.max_steps, state.global_step, "steps", run.log_freq)
+    say, every, clock, config = run.say, settings.checkpoint_every, run.clock, settings.config
+    progress = progress_display.progress_bar(settings.progress_bar, config.max_steps, state.global_step, "steps",
+                                             config.log_freq)
     window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
     eval_time, held_out_figures, evaluated_at = 0.0, {}, None  # eval_time: seconds of the evaluations between steps
     window.local_losses = list(state.open_window.get("local_losses", []))
     window.all_rank_losses = list(state.open_window.get("all_rank_losses", []))
-    while state.global_step < run.max_steps and steps_done < run.steps_this_run:
+    while state.global_step < config.max_steps and steps_done < settings.steps_this_run:
         # ---------------------------------------------------------------- step
         step_started = clock()
-        result = train_step(run, batches, stop_event, profiler, state.skipped_shards)
-        if run.log_first_step_time and steps_done == 0:
+        result = train_step(run, settings, batches, stop_event, profiler, state.skipped_shards)
+        if config.torch_compile is not None and steps_done == 0:  # the first step's time is mostly compilation
             compile_mode.log_first_step(run.logger, say, clock() - step_started)
         state.global_step += 1
         steps_done += 1
         state.samples_consumed = result.next_position
         if result.shards_newly_skipped:
-            agree_on_skipped_shards(run, state, result, batches)
+            agree_on_skipped_shards(run, settings, state, result, batches)
         window.record(result)
         progress.update(1)
         # ---------------------------------------------------------------- non-finite loss
@@ -809,34 +923,36 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
             state.bad_steps_in_a_row += 1
             say(f"step {state.global_step}: non-finite loss, update skipped ({state.bad_steps_in_a_row} in a row)")
         # ---------------------------------------------------------------- log, checkpoint
-        if state.global_step % run.log_freq == 0:
-            log_window(run, state, window)
+        if state.global_step % config.log_freq == 0:
+            log_window(run, settings, state, window)
             window, last_window = LogWindow(clock()), window
-        if run.held_out is not None and state.global_step % run.eval_interval == 0:
-            held_out_figures, seconds = evaluate_and_log(run, state)
+        if run.held_out is not None and state.global_step % config.eval_interval == 0:
+            held_out_figures, seconds = evaluate_and_log(run, settings, state)
             eval_time, evaluated_at = eval_time + seconds, state.global_step
             window.started += seconds  # the logged step times and speeds leave the evaluation out
             last_window.started += seconds
-        if every is not None and steps_done % every == 0:
-            last_saved = save(run, state, window)
+        # As NVIDIA's driver: at multiples of the interval, so that a resumed run saves the checkpoints the
+        # uninterrupted run saves.
+        if every is not None and steps_of_both_phases(state, config.phase1_end_step) % every == 0:
+            last_saved = save(run, settings, state, window)
         # ---------------------------------------------------------------- stop early
-        if state.bad_steps_in_a_row >= run.max_bad_steps:
-            if every is not None and last_saved != checkpoint_tag(state, run.phase1_end_step):
-                save(run, state, window)
+        if state.bad_steps_in_a_row >= config.max_bad_steps:
+            if every is not None and last_saved != checkpoint_tag(state, config.phase1_end_step):
+                save(run, settings, state, window)
             raise TrainingStopped(f"{state.bad_steps_in_a_row} consecutive steps had a non-finite loss "
-                                  f"(--max_bad_steps {run.max_bad_steps}); stopped at step {state.global_step}")
+                                  f"(--max_bad_steps {config.max_bad_steps}); stopped at step {state.global_step}")
         if result.stop_requested:
             say(f"stop requested (SIGTERM/SIGINT): stopping after step {state.global_step}")
             break
     progress.close()
     # As the reference, the final record and the training time end before the final checkpoint is saved.
     ended = clock()
-    final = log_window(run, state, window if window.steps else last_window, final=True)
+    final = log_window(run, settings, state, window if window.steps else last_window, final=True)
     final_eval_time = 0.0
     if run.held_out is not None and steps_done and evaluated_at != state.global_step and not result.stop_requested:
-        held_out_figures, final_eval_time = evaluate_and_log(run, state)
-    if every is not None and steps_done and last_saved != checkpoint_tag(state, run.phase1_end_step):
-        save(run, state, window)
+        held_out_figures, final_eval_time = evaluate_and_log(run, settings, state)
+    if every is not None and steps_done and last_saved != checkpoint_tag(state, config.phase1_end_step):
+        save(run, settings, state, window)
     return {**final, "ended": ended, "steps_done": steps_done, "eval_time_between_steps": eval_time,
             "eval_time": eval_time + final_eval_time, "held_out": held_out_figures,
             "stopped_by_signal": bool(steps_done and result.stop_requested)}
@@ -844,30 +960,28 @@ def train(run: Run, state: TrainState, batches, stop_event, profiler) -> dict:
 
 # ============================================================================ held-out evaluation
 
-def evaluate_and_log(run: Run, state: TrainState) -> tuple[dict, float]:
+def evaluate_and_log(run: RunObjects, settings: RunSettings, state: TrainState) -> tuple[dict, float]:
     """Collective: the held-out figures of the model after step state.global_step, in a dllogger record at that
     step (with eval_time, its seconds) and the DeepSpeed monitors; returns (figures, seconds)."""
     started = run.clock()
-    figures = evaluation.evaluate(run.engine.module, run.held_out, run.device, run.all_gather_object, run.world,
+    figures = evaluation.evaluate(run.engine.module, run.held_out, run.device, run.all_gather_object, settings.world,
                                   after_batch=run.graph_breaks.after_step)
     seconds = run.clock() - started
     report_evaluation(run.engine, run.say, state.global_step, figures, seconds)
-    run.logger.log(step=(state.samples_consumed // run.epoch_size, state.global_step),
+    run.logger.log(step=(state.samples_consumed // settings.epoch_size, state.global_step),
                    data={**figures, "eval_time": seconds})
     run.logger.flush()
     return figures, seconds
 
 
-def evaluate_only(engine: "DeepSpeedEngine", held_out: evaluation.HeldOutSet, graph_breaks: gaudi.NoGraphBreaks,
-                  state: TrainState, logger: "dllogger.Logger", say: Callable[[str], None],
-                  clock: Callable[[], float], started: float) -> dict:
+def evaluate_only(run: RunObjects, state: TrainState, started: float) -> dict:
     """--skip_train: the held-out figures of the model as loaded, in the final record; no step, no checkpoint."""
-    eval_started = clock()
-    figures = evaluation.evaluate(engine.module, held_out, engine.device, dist.all_gather_object,
-                                  dist.get_world_size(), after_batch=graph_breaks.after_step)
-    seconds = clock() - eval_started
-    report_evaluation(engine, say, state.global_step, figures, seconds)
-    return log_summary_without_steps(state, logger, clock() - started, **figures, eval_time=seconds)
+    eval_started = run.clock()
+    figures = evaluation.evaluate(run.engine.module, run.held_out, run.device, run.all_gather_object,
+                                  dist.get_world_size(), after_batch=run.graph_breaks.after_step)
+    seconds = run.clock() - eval_started
+    report_evaluation(run.engine, run.say, state.global_step, figures, seconds)
+    return log_summary_without_steps(state, run.logger, run.clock() - started, **figures, eval_time=seconds)
 
 
 def report_evaluation(engine: "DeepSpeedEngine", say: Callable[[str], None], global_step: int, figures: dict,
@@ -903,12 +1017,10 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
         status_file = status_file if status_file is not None else run_status.StatusFile()
         job = job if job is not None else distributed.Job()
         status_file.place(args.json_summary)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        ds_config, model_config, data, copies = validate_args(args, world_size)
-        held_out = validate_held_out(args, data)
+        config = build_config(args, int(os.environ.get("WORLD_SIZE", "1")))
+        data, held_out_data, copies = open_inputs(config)
         try:
-            return train_run(args, started, ds_config, model_config, data, held_out, copies, stop_event, status_file,
-                             job, clock=clock,
+            return train_run(config, data, held_out_data, copies, stop_event, status_file, job, started, clock=clock,
                              criterion=criterion if criterion is not None else BertPretrainingCriterion(),
                              make_graph_breaks=make_graph_breaks, device_memory=device_memory)
         except BaseException as err:  # the copy below may take minutes: no other rank's exit is a death meanwhile
@@ -920,126 +1032,120 @@ def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
             data.shard_files.close()
 
 
-def train_run(args, started: float, ds_config: dict, model_config: BertConfig, data: DataInfo,
-              held_out_data: DataInfo | None, copies: checkpoint_s3.CheckpointUploader | None,
-              stop_event: threading.Event, status_file: run_status.StatusFile, job: distributed.Job, *,
-              clock: Callable[[], float],
-              criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
+def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
+              copies: checkpoint_s3.CheckpointUploader | None, stop_event: threading.Event,
+              status_file: run_status.StatusFile, job: distributed.Job, started: float,
+              *, clock: Callable[[], float], criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple]) -> dict:
-    """main after validation: the one place that reads the flags for the run (device, logger, engine, resume,
-    Run) and hands the functions below their values."""
-    device = distributed.setup_device_and_distributed(job, args.use_hpu, args.no_cuda, args.local_rank,
-                                                      args.collective_timeout_s, stop_event, ds_config)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    check_same_shards_on_every_rank(data, args.input_dir, job.hosts)
-    held_out = read_held_out(held_out_data, args, model_config, rank, world) if held_out_data else None
-    device_setup.seed_everything(args.seed + rank)
+    """main after the checks without a device: the device and the checks that need it, the checkpoint to
+    resume from, then model, log and engine, and run_training."""
+    device = distributed.setup_device_and_distributed(job, config.use_hpu, config.no_cuda, config.local_rank,
+                                                      config.collective_timeout_s, stop_event, config.ds_config)
+    rank = dist.get_rank()
+    check_same_shards_on_every_rank(data, config.input_dir, job.hosts)
+    held_out = read_held_out(held_out_data, config, rank, dist.get_world_size()) if held_out_data else None
+    device_setup.seed_everything(config.seed + rank)
     say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
-    checkpoint_interval = args.checkpoint_activations_interval if args.checkpoint_activations else 0
-    check_memory(device, ds_config, model_config, data, world, say, checkpoint_interval=checkpoint_interval,
-                 client_optimizer=args.optimizer, skip_memory_check=args.skip_memory_check,
-                 device_memory=device_memory)
-    peak_dtype = torch.bfloat16 if sizing.bf16_enabled(ds_config) else torch.float32
-    peak, peak_source = hardware.peak_tflops(device, peak_dtype, args.peak_tflops)
+    check_memory(device, config, data, say, device_memory=device_memory)
+    peak_dtype = torch.bfloat16 if sizing.bf16_enabled(config.ds_config) else torch.float32
+    peak, peak_source = hardware.peak_tflops(device, peak_dtype, config.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
-    model = build_model(model_config, args.init_checkpoint, checkpoint_interval)
+    checkpoint_dir = Path(config.output_dir) if copies is None else copies.local_dir
+    resume_tag = choose_checkpoint(config, checkpoint_dir, copies, device, say)
+    model = build_model(config.model_config, config.init_checkpoint, config.activation_checkpoint_interval)
     # The log is started once the run is known to fit and its weights to load: a refused attempt of a
     # launcher (which resumes, appending) adds nothing to the run's log.
-    logger = logs.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
-    log_parameters(logger, args, ds_config)
-    logger.log(step="PARAMETER", data={"peak_tflops": peak, "peak_tflops_source": peak_source})
-    graph_breaks = make_graph_breaks(device, model, gaudi.is_bert_5b(args.config_file))
-    lr_schedule = {"warmup": args.warmup_proportion, "total_steps": int(args.max_steps),
-                   "degree": args.scheduler_degree, "constant": args.constant_proportion}
-    engine, optimizer = build_engine(model, ds_config, optimizer_name=args.optimizer, learning_rate=args.learning_rate,
-                                     betas=args.betas, lr_schedule=lr_schedule if args.use_lr_scheduler else None,
-                                     lans_blocks=args.lans_blocks,
-                                     torch_compile=((args.torch_compile_backend, args.torch_compile_mode)
-                                                    if args.enable_torch_compile else None))
+    logger = logs.build_logger(config.json_summary, rank, append=config.resume_from_checkpoint)
+    log_parameters(logger, config, peak, peak_source)
+    graph_breaks = make_graph_breaks(device, model, gaudi.is_bert_5b(config.config_file))
+    engine, optimizer = build_engine(model, config.ds_config, optimizer_name=config.optimizer,
+                                     learning_rate=config.learning_rate, betas=config.betas,
+                                     lr_schedule=config.lr_schedule, lans_blocks=config.lans_blocks,
+                                     torch_compile=config.torch_compile)
+    run = RunObjects(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
+                     all_gather_object=dist.all_gather_object, device=device, logger=logger, say=say,
+                     checkpoint_dir=checkpoint_dir, copies=copies, graph_breaks=graph_breaks,
+                     status_file=status_file, held_out=held_out)
     # Every normal way out from here (the end, nothing to train, a stop during start-up) frees the engine:
     # DeepSpeed's gradient hooks would otherwise keep it, the model and the optimizer states alive after main.
     with deepspeed_engine.destroyed_on_exit(engine):
-        window_size = window_size_for_budget(int(args.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
-        data_layout = describe_data_layout(data.shards, window_size, args.seed, shuffle=not args.disable_random_sampler)
-        checkpoint_dir = Path(args.output_dir) if copies is None else copies.local_dir
-        resume_tag = str(args.resume_step) if args.resume_step >= 0 else None
-        if copies is not None:
-            copies.prepare(device, args.resume_from_checkpoint, resume_tag, say=say)
-        state, resumed_tag = restore_state(checkpoint_dir, engine, optimizer, model_config, data_layout, say,
-                                           resume=args.resume_from_checkpoint, resume_tag=resume_tag,
-                                           phase2=args.phase2, phase1_end_step=args.phase1_end_step, seed=args.seed,
-                                           output_dir=args.output_dir)
-        status_file.saved(resumed_tag)
-        if args.skip_train:
-            return evaluate_only(engine, held_out, graph_breaks, state, logger, say, clock, started)
-        if state.global_step >= int(args.max_steps):  # a finished job relaunched: no step, so no loss or speed
-            return nothing_to_train(checkpoint_tag(state, args.phase1_end_step), int(args.max_steps), state, logger,
-                                    say, clock() - started)
-        if stop_requested_on_any_rank(stop_event, device):  # during start-up: no step made, so nothing new to save
-            return stopped_before_training(state, logger, say, clock() - started)
-        micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-        say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
-        reader = WindowReader(data.shards, args.seed, window_size, model_config.vocab_size,
-                              shuffle=not args.disable_random_sampler, skip_bad_shards=args.skip_bad_shards,
-                              skipped_shards=state.skipped_shards, shard_files=data.shard_files,
-                              type_vocab_size=model_config.type_vocab_size)
-        state.skipped_shards = list(reader.skipped_shards)  # names (checkpoints before 2026-11-27 held paths)
-        batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
-        run = Run(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
-                  all_gather_object=dist.all_gather_object,
-                  device=device,
-                  logger=logger, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len,
-                  model_config=model_config,
-                  say=say, epoch_size=reader.stream.epoch_size, data_layout=data_layout, checkpoint_dir=checkpoint_dir,
-                  copies=copies, flops_per_sequence=sizing.model_flops_per_sequence(model_config, data.seq_len,
-                                                                                    data.max_pred),
-                  peak_tflops=peak, graph_breaks=graph_breaks, status_file=status_file,
-                  max_steps=int(args.max_steps), log_freq=int(args.log_freq), max_bad_steps=args.max_bad_steps,
-                  steps_this_run=math.inf if args.steps_this_run == -1 else args.steps_this_run,
-                  checkpoint_every=None if args.skip_checkpoint else args.num_steps_per_checkpoint,
-                  keep_last_n_checkpoints=args.keep_last_n_checkpoints, phase1_end_step=args.phase1_end_step,
-                  log_first_step_time=args.enable_torch_compile,
-                  progress_bar=rank == 0 and not args.disable_progress_bar,
-                  held_out=held_out, eval_interval=args.eval_interval)
-        first_step = state.global_step
-        profiler = profiling.build_profiler(args.profile, args.profile_steps, Path(args.json_summary).parent,
-                                            args.use_hpu, args.no_cuda)
-        train_started = clock()
-        try:
-            with profiler if profiler is not None else nullcontext():
-                final = train(run, state, batches, stop_event, profiler)
-        finally:
-            batches.close()
-        # The last checkpoint is on S3 before the run reports success. Still under main's stop handler: a repeated
-        # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
-        if copies is not None:
-            copies.finish(device)
-        raw_train_time = final["ended"] - train_started - final["eval_time_between_steps"]
-        sequences = micro * gas * world * (state.global_step - first_step)
-        model_tflops = sequences / world / raw_train_time * run.flops_per_sequence / 1e12  # per device
-        summary = {"e2e_train_time": clock() - started,
-                   "training_sequences_per_second": sequences / raw_train_time,
-                   "model_tflops": model_tflops, "mfu": model_tflops / peak,
-                   "training_tokens_per_second": sequences * data.seq_len / raw_train_time,
-                   "raw_train_time": raw_train_time,
-                   "final_loss": final["final_loss"], "global_step": state.global_step,
-                   "skipped_steps": state.bad_steps,
-                   "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"],
-                   **({**final["held_out"], "total_eval_time": final["eval_time"]} if final["held_out"] else {})}
-        logger.log(step=(), data=summary)
-        logger.flush()
-        return summary
+        return run_training(run, config, data, resume_tag, peak, stop_event, started)
 
 
-def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig, data: DataInfo, world: int,
-                 say: Callable[[str], None], *, checkpoint_interval: int, client_optimizer: str | None,
-                 skip_memory_check: bool, device_memory: Callable[[torch.device], tuple]) -> None:
+def run_training(run: RunObjects, config: Config, data: DataInfo, resume_tag: str | None, peak_tflops: float,
+                 stop_event: threading.Event, started: float) -> dict:
+    """Resume (or start), the loop, the last checkpoint's copy and the summary: logged, and returned."""
+    window_size = window_size_for_budget(int(config.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
+    data_layout = describe_data_layout(data.shards, window_size, config.seed,
+                                       shuffle=not config.disable_random_sampler)
+    state = restore_state(run, config, resume_tag, data_layout)
+    run.status_file.saved(resume_tag)
+    if config.skip_train:
+        return evaluate_only(run, state, started)
+    if state.global_step >= config.max_steps:  # a finished job relaunched: no step, so no loss or speed
+        return nothing_to_train(checkpoint_tag(state, config.phase1_end_step), config.max_steps, state, run.logger,
+                                run.say, run.clock() - started)
+    if stop_requested_on_any_rank(stop_event, run.device):  # during start-up: no step made, so nothing new to save
+        return stopped_before_training(state, run.logger, run.say, run.clock() - started)
+    micro, gas = run.engine.train_micro_batch_size_per_gpu(), run.engine.gradient_accumulation_steps()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run.say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
+    reader = WindowReader(data.shards, config.seed, window_size, config.model_config.vocab_size,
+                          shuffle=not config.disable_random_sampler, skip_bad_shards=config.skip_bad_shards,
+                          skipped_shards=state.skipped_shards, shard_files=data.shard_files,
+                          type_vocab_size=config.model_config.type_vocab_size)
+    state.skipped_shards = list(reader.skipped_shards)  # names (checkpoints before 2026-11-27 held paths)
+    batches = RankBatches(reader, rank, world, micro, state.samples_consumed)
+    settings = RunSettings(config=config, micro_batch=micro, gas=gas, world=world, seq_len=data.seq_len,
+                           epoch_size=reader.stream.epoch_size, data_layout=data_layout,
+                           flops_per_sequence=sizing.model_flops_per_sequence(config.model_config, data.seq_len,
+                                                                              data.max_pred),
+                           peak_tflops=peak_tflops, progress_bar=rank == 0 and not config.disable_progress_bar)
+    first_step = state.global_step
+    profiler = profiling.build_profiler(config.profile, config.profile_steps, Path(config.json_summary).parent,
+                                        config.use_hpu, config.no_cuda)
+    train_started = run.clock()
+    try:
+        with profiler if profiler is not None else nullcontext():
+            final = train(run, settings, state, batches, stop_event, profiler)
+    finally:
+        batches.close()
+    # The last checkpoint is on S3 before the run reports success. Still under main's stop handler: a repeated
+    # SIGTERM (a preemption's) must not cut that copy short, or the step it saved would only be local.
+    if run.copies is not None:
+        run.copies.finish(run.device)
+    return log_summary(run, settings, final, state.global_step - first_step, state, train_started, started)
+
+
+def log_summary(run: RunObjects, settings: RunSettings, final: dict, steps_done: int, state: TrainState,
+                train_started: float, started: float) -> dict:
+    """The run's final record (the reference's), from the loop's final record; logged, and returned."""
+    raw_train_time = final["ended"] - train_started - final["eval_time_between_steps"]
+    sequences = settings.micro_batch * settings.gas * settings.world * steps_done
+    model_tflops = sequences / settings.world / raw_train_time * settings.flops_per_sequence / 1e12  # per device
+    summary = {"e2e_train_time": run.clock() - started,
+               "training_sequences_per_second": sequences / raw_train_time,
+               "model_tflops": model_tflops, "mfu": model_tflops / settings.peak_tflops,
+               "training_tokens_per_second": sequences * settings.seq_len / raw_train_time,
+               "raw_train_time": raw_train_time,
+               "final_loss": final["final_loss"], "global_step": state.global_step,
+               "skipped_steps": state.bad_steps,
+               "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"],
+               **({**final["held_out"], "total_eval_time": final["eval_time"]} if final["held_out"] else {})}
+    run.logger.log(step=(), data=summary)
+    run.logger.flush()
+    return summary
+
+
+def check_memory(device: torch.device, config: Config, data: DataInfo, say: Callable[[str], None], *,
+                 device_memory: Callable[[torch.device], tuple]) -> None:
     """Refuse, before the model is built, a run the memory planner says cannot fit this device."""
-    run = sizing.TrainingSetup.from_deepspeed_config(
-        ds_config, world, data.seq_len, data.max_pred, checkpoint_interval,
-        # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
-        client_optimizer if client_optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans", on_cpu=device.type == "cpu")
-    predicted = sizing.device_memory(model_config, run)["total"]
+    # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
+    optimizer = config.optimizer if config.optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans"
+    setup = sizing.TrainingSetup.from_deepspeed_config(config.ds_config, dist.get_world_size(), data.seq_len,
+                                                       data.max_pred, config.activation_checkpoint_interval, optimizer,
+                                                       on_cpu=device.type == "cpu")
+    predicted = sizing.device_memory(config.model_config, setup)["total"]
     available, description = device_memory(device)
     if available is None:
         say(f"memory check skipped: the memory of {description} is unknown")
@@ -1050,7 +1156,7 @@ def check_memory(device: torch.device, ds_config: dict, model_config: BertConfig
                f"{sizing.USABLE_FRACTION:.0%} of {available / 2**30:.1f} GiB ({description}); lower "
                "train_micro_batch_size_per_gpu, add --checkpoint_activations, or use more ranks or a higher "
                "ZeRO stage (scripts/plan_memory.py shows the parts)")
-    if not skip_memory_check:
+    if not config.skip_memory_check:
         raise InputError(message + "; --skip_memory_check trains anyway")
     say(f"warning: {message}; training anyway (--skip_memory_check)")
 
@@ -1084,11 +1190,13 @@ def log_summary_without_steps(state: TrainState, logger: "dllogger.Logger", elap
     return summary
 
 
-def log_parameters(logger: "dllogger.Logger", args, ds_config: dict) -> None:
-    """The reference's PARAMETER record: "Config" is the whole namespace, as text."""
-    logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "train_start": True,
-                                       "batch_size_per_pu": ds_config["train_micro_batch_size_per_gpu"],
-                                       "learning_rate": args.learning_rate, "deepspeed_config": ds_config})
+def log_parameters(logger: "dllogger.Logger", config: Config, peak_tflops: float, peak_source: str) -> None:
+    """The reference's PARAMETER record ("Config": the flags, as text; the flags that do nothing left out),
+    and the MFU's denominator."""
+    logger.log(step="PARAMETER", data={"Config": str(config.flags()), "SEED": config.seed, "train_start": True,
+                                       "batch_size_per_pu": config.ds_config["train_micro_batch_size_per_gpu"],
+                                       "learning_rate": config.learning_rate, "deepspeed_config": config.ds_config})
+    logger.log(step="PARAMETER", data={"peak_tflops": peak_tflops, "peak_tflops_source": peak_source})
 
 
 def cli(argv=None) -> int:

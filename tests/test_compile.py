@@ -67,11 +67,11 @@ def test_compile_mode_with_inductor_compiles_the_lans_update(tmp_path, shards, t
     from training import distributed
     config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4)
     args = run_pretraining.parse_arguments([str(arg) for arg in helpers.driver_argv(shards, tmp_path / "out", config)])
-    ds_config, model_config, _, _ = run_pretraining.validate_args(args, 1)
+    run_config = run_pretraining.build_config(args, 1)
     distributed.setup_device_and_distributed(distributed.Job(), args.use_hpu, args.no_cuda, args.local_rank)
     engine, optimizer = run_pretraining.build_engine(
-        run_pretraining.build_model(model_config, None, 0), ds_config, optimizer_name="lans", learning_rate=0.01,
-        betas=None, lr_schedule=None, lans_blocks="tensor", torch_compile=torch_compile)
+        run_pretraining.build_model(run_config.model_config, None, 0), run_config.ds_config, optimizer_name="lans",
+        learning_rate=0.01, betas=None, lr_schedule=None, lans_blocks="tensor", torch_compile=torch_compile)
     engine.destroy()  # else DeepSpeed's gradient hooks keep it alive for the worker's later files
     assert optimizer.compile_update is compiled_update
 

@@ -93,6 +93,8 @@ def test_run_completes_and_logs_every_key(tmp_path, tiny_shards, stage, bf16):
     steps = [r for r in logs if "step_loss" in r["data"]]
     final = next(r["data"] for r in logs if "final_loss" in r["data"] and r["step"] != [])
     assert PARAMETER_KEYS <= set(parameter)
+    # step counts as whole numbers, though the reference's parser reads these two as floats
+    assert "'max_steps': 3," in parameter["Config"] and "'log_freq': 1," in parameter["Config"]
     assert [r["step"] for r in steps] == [[0, 1], [0, 2], [0, 3]]
     assert all(STEP_KEYS <= set(r["data"]) for r in steps)
     assert FINAL_KEYS <= set(final)
@@ -175,9 +177,9 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     model weights they were copied from; without the guard both change (negative control)."""
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=0, bf16=True)
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)
-    args = rp.parse_arguments(argv)
-    ds_dict, model_config, _, _ = rp.validate_args(args, 1)
-    distributed.setup_device_and_distributed(distributed.Job(), args.use_hpu, args.no_cuda, args.local_rank)
+    config = rp.build_config(rp.parse_arguments(argv), 1)
+    ds_dict, model_config = config.ds_config, config.model_config
+    distributed.setup_device_and_distributed(distributed.Job(), config.use_hpu, config.no_cuda, config.local_rank)
 
     def masters_and_steps():
         engine, optimizer = rp.build_engine(
@@ -244,6 +246,29 @@ def test_freed_memory_stays_in_the_process_on_cpu():
 # ============================================================================ resume
 # Whether a resume continues the uninterrupted run, and what it refuses: tests/test_resume.py. Here: state of the
 # driver's own features that a checkpoint carries (the log window; the bad-step streak below).
+
+def saved_tags(capsys) -> list:
+    return [int(tag) for tag in re.findall(r"saved checkpoint (\d+)", capsys.readouterr().out)]
+
+
+def test_a_resumed_run_saves_the_checkpoints_of_the_uninterrupted_run(tmp_path, tiny_shards, capsys):
+    """--num_steps_per_checkpoint 3: saves at the multiples of 3 of the global step, and at the end. A run
+    stopped after step 4 and resumed saved 7 (3 steps after the resume), not 6; in phase 2 the steps count on
+    from --phase1_end_step 7, so phase 2's steps 2 and 5 are the multiples (tags 9 and 12)."""
+    common = dict(max_steps=7, num_steps_per_checkpoint=3, log_freq=7)
+    run(tmp_path / "whole", tiny_shards, **common)
+    assert saved_tags(capsys) == [3, 6, 7]
+    run(tmp_path / "split", tiny_shards, steps_this_run=4, **common)
+    assert saved_tags(capsys) == [3, 4]  # 4: the end of this run
+    run(tmp_path / "split", tiny_shards, resume_from_checkpoint=True, **common)
+    assert saved_tags(capsys) == [6, 7]
+    phase2 = dict(max_steps=5, num_steps_per_checkpoint=3, log_freq=5, phase2=True, phase1_end_step=7,
+                  resume_from_checkpoint=True)
+    run(tmp_path / "split", tiny_shards, steps_this_run=1, **phase2)
+    assert saved_tags(capsys) == [8]
+    run(tmp_path / "split", tiny_shards, **phase2)
+    assert saved_tags(capsys) == [9, 12]
+
 
 def test_a_resume_inside_a_log_window_logs_the_averages_of_the_whole_run(tmp_path, tiny_shards):
     """--log_freq 4: stopped after step 3 and resumed, the record of step 4 averages steps 1-4, as the whole
@@ -524,6 +549,9 @@ BAD_INPUTS = {
     "too_many_predictions": (None, {"max_predictions_per_seq": 3}, "5 masked positions per sequence, more than"),
     "impossible_schedule": (None, {"warmup_proportion": 1.5}, "optimizer / LR schedule: warmup must be"),
     "fractional_log_freq": (None, {"log_freq": 0.5}, "--log_freq must be at least 1"),
+    # the reference's parser reads these step counts as floats: messages and the logged Config give whole numbers
+    "zero_max_steps": (None, {"max_steps": 0}, r"^error: --max_steps must be at least 1, got 0( |$)"),
+    "fractional_max_steps": (None, {"max_steps": 2.5}, "--max_steps must be a whole number of steps, got 2.5"),
     "negative_seed": (None, {"seed": -1}, "--seed must be 0 or more, got -1"),
     "negative_keep_last_n": (None, {"keep_last_n_checkpoints": -2}, "--keep_last_n_checkpoints must be 0 or more"),
     "zero_memory_budget": (None, {"data_memory_budget_mb": 0}, "--data_memory_budget_mb must be positive, got 0"),
@@ -995,11 +1023,11 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, other_ra
 
     criterion = RecordingCriterion()
     run = SimpleNamespace(engine=engine, optimizer=optimizer, criterion=criterion, device=torch.device("cpu"),
-                          gas=2, world=2, say=print, graph_breaks=gaudi.NoGraphBreaks(),
-                          all_reduce=all_reduce_with_a_second_rank)
+                          say=print, graph_breaks=gaudi.NoGraphBreaks(), all_reduce=all_reduce_with_a_second_rank)
+    settings = SimpleNamespace(gas=2, world=2)
     before = [p.detach().clone() for p in engine.module.parameters()]
     try:
-        result = rp.train_step(run, batches, SimpleNamespace(is_set=lambda: False), None)
+        result = rp.train_step(run, settings, batches, SimpleNamespace(is_set=lambda: False), None)
     finally:
         batches.close()
     local = sum(criterion.losses) / 2

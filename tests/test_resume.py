@@ -465,6 +465,32 @@ def test_resume_with_another_data_layout_is_one_error_line(tmp_path, shards, cap
     assert main_in_process(driver_args(shards, out, config, tmp_path / "b.json", 3))["global_step"] == 3
 
 
+@pytest.mark.slow
+def test_a_checkpoint_this_run_cannot_resume_is_refused_before_the_engine_is_built(tmp_path, shards):
+    """The checkpoint's manifest tells another model config (the newest checkpoint's, or --resume_step's) and a
+    --resume_step that is not there: the error used to come only after the engine's set-up (22 s in the user's
+    report). It now comes before DeepSpeed builds the engine, whose first line here is ZeRO's warning about
+    LANS (engine.py), and before the run's log is started."""
+    config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
+    main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
+    other = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
+    other["intermediate_size"] = 256
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    another_config = "is from another model config (intermediate_size: checkpoint 512 vs run 256)"
+    for flags, expected in (({"config_file": tmp_path / "other.json"}, another_config),
+                            ({"config_file": tmp_path / "other.json", "resume_step": 2}, another_config),
+                            ({"resume_step": 7}, f"--resume_step 7: {out} holds no checkpoint 7")):
+        status, output = finish(start(driver_args(shards, out, config, tmp_path / "b.json", 4, **flags), 1))
+        lines = output.splitlines()
+        errors = [number for number, line in enumerate(lines) if line.startswith("error:")]
+        assert status != ExitStatus.DONE and len(errors) == 1 and expected in lines[errors[0]], output
+        assert not any("engine.py" in line for line in lines[:errors[0]]), output
+        assert not (tmp_path / "b.json").exists()
+    # the same check's control: a resume this run can make builds the engine, which says so (engine.py)
+    status, output = finish(start(driver_args(shards, out, config, tmp_path / "c.json", 3), 1))
+    assert status == 0 and "engine.py" in output, output
+
+
 def test_read_only_output_dir_keeps_earlier_checkpoints(tmp_path, shards):
     config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
     main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 8, steps_this_run=4))

@@ -21,6 +21,16 @@ from training.checkpointing import (
 )
 
 
+def check_resumable(output_dir, tag: str, model_config: dict) -> None:
+    """What load_checkpoint checks first, from the manifest alone (before an engine is built): CheckpointError
+    when <output_dir>/<tag> is not a complete checkpoint or was saved with another model config."""
+    tag_dir = Path(output_dir) / str(tag)
+    manifest, reason = read_manifest(tag_dir)
+    if manifest is None:
+        raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
+    check_compatible(tag_dir, manifest, model_config)
+
+
 def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: int, *,
                     model_config: dict | None = None, say=None) -> tuple[dict, dict | None]:
     """Collective (DeepSpeed's load is). Loads everything checkpoint <output_dir>/<tag> holds into engine:
@@ -40,10 +50,8 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: 
     None: the per-rank RNG states belong to ranks of the old world.
     client_state holds exactly the keys given to save_checkpoint."""
     tag_dir = Path(output_dir) / str(tag)
-    manifest, reason = read_manifest(tag_dir)
-    if manifest is None:
-        raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
-    check_compatible(tag_dir, manifest, model_config)
+    check_resumable(output_dir, tag, model_config)
+    manifest = read_manifest(tag_dir)[0]
     other_world = manifest["world_size"] != world_size
     if other_world:
         _check_repartition_possible(tag_dir, manifest, engine, world_size)

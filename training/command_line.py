@@ -3,6 +3,7 @@ output is writable before any work, stop requests (SIGTERM/SIGINT), and `run_cli
 and every way out an exit status of training/run_status.py's contract with the supervisor."""
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -42,6 +43,13 @@ required. Switches (store_true)
 
 
 SWITCHES_EPILOG = "Flags without a value are switches: off unless given."
+
+
+def settings_from_flags(settings_class, args: argparse.Namespace, **derived):
+    """An entry point's frozen settings dataclass from its parsed flags: each field from the flag of its name,
+    unless `derived` gives its value (a checked, converted or combined one, or what a file holds)."""
+    return settings_class(**{field.name: getattr(args, field.name) for field in dataclasses.fields(settings_class)
+                             if field.name not in derived}, **derived)
 
 
 def check_writable_directory(path, flag: str) -> None:
