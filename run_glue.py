@@ -20,6 +20,7 @@ Outputs in --output_dir: eval_results.json ({evaluation set: {metric: value}}), 
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,14 +50,23 @@ def build_parser():
     return parser
 
 
-def check_flags(args, config) -> None:
-    if not 3 <= args.max_seq_length <= config.max_position_embeddings:
-        raise InputError(f"--max_seq_length must be in [3, {config.max_position_embeddings}] (the model's "
-                         f"max_position_embeddings), got {args.max_seq_length}")
-    if args.eval_batch_size < 1:
-        raise InputError(f"--eval_batch_size must be at least 1, got {args.eval_batch_size}")
-    if not Path(args.data_dir).is_dir():
-        raise InputError(f"--data_dir {args.data_dir} is not a directory")
+@dataclass(frozen=True, kw_only=True)
+class GlueConfig(finetuning.Config):
+    """The run's settings: the common fine-tuning ones and GLUE's."""
+    task_name: str
+    data_dir: str
+    max_seq_length: int
+    eval_batch_size: int
+
+
+def check_flags(config: GlueConfig, model_config) -> None:
+    if not 3 <= config.max_seq_length <= model_config.max_position_embeddings:
+        raise InputError(f"--max_seq_length must be in [3, {model_config.max_position_embeddings}] (the model's "
+                         f"max_position_embeddings), got {config.max_seq_length}")
+    if config.eval_batch_size < 1:
+        raise InputError(f"--eval_batch_size must be at least 1, got {config.eval_batch_size}")
+    if not Path(config.data_dir).is_dir():
+        raise InputError(f"--data_dir {config.data_dir} is not a directory")
 
 
 def split_names(task, train: bool, evaluate: bool, predict: bool) -> list:
@@ -134,25 +144,24 @@ def main(argv=None, *, make_loss=loss_function, job: distributed.Job | None = No
     """Fine-tune and/or evaluate; returns the summary (also logged). make_loss(task) -> loss(model, batch)
     (default loss_function) is there for tests: a loss that sends SIGTERM during a chosen step. job: run_cli's
     (training/distributed.py; default: a new one)."""
-    args = finetuning.parse_arguments(build_parser(), argv)
-    ds_config = finetuning.validate(args)
-    task = TASKS[args.task_name]
-    config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)
-    tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)
-    check_flags(args, config)
-    data = read_task_data(task, args.data_dir, split_names(task, args.do_train, args.do_eval, args.do_predict),
-                          tokenizer, args.max_seq_length)
+    config = finetuning.build_config(finetuning.parse_arguments(build_parser(), argv), GlueConfig)
+    task = TASKS[config.task_name]
+    model_config, weights = finetuning.load_pretrained(config.init_checkpoint, config.config_file)
+    tokenizer = finetuning.load_tokenizer(config.vocab_file, config.do_lower_case, model_config)
+    check_flags(config, model_config)
+    data = read_task_data(task, config.data_dir, split_names(task, config.do_train, config.do_eval,
+                                                             config.do_predict), tokenizer, config.max_seq_length)
     def make_model(model_config):
         return BertForSequenceClassification(model_config, task.num_labels)
 
-    finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)
-    finetuning.check_training_data(ds_config, len(data["train"][0]) if args.do_train else None)
-    session = finetuning.start(args, ds_config, "run_glue", job)  # from here on, the run writes its outputs
-    model = finetuning.build_model(make_model, config, weights, session, fine_tune=args.do_train)
+    finetuning.check_weights(make_model, model_config, weights, fine_tune=config.do_train)
+    finetuning.check_training_data(config.ds_config, len(data["train"][0]) if config.do_train else None)
+    session = finetuning.start(config, "run_glue", job)  # from here on, the run writes its outputs
+    model = finetuning.build_model(make_model, model_config, weights, session, fine_tune=config.do_train)
     return finetuning.train_then_evaluate(
-        session, model, data["train"][1] if args.do_train else None, make_loss(task),
-        (lambda: evaluate(session, model, task, data, args.eval_batch_size)) if args.do_eval or args.do_predict
-        else None)
+        session, model, data["train"][1] if config.do_train else None, make_loss(task),
+        (lambda: evaluate(session, model, task, data, config.eval_batch_size))
+        if config.do_eval or config.do_predict else None)
 
 
 def cli(argv=None) -> int:

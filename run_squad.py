@@ -22,6 +22,7 @@ import functools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.atomic_write import write_text_atomically
@@ -61,18 +62,33 @@ def build_parser():
     return parser
 
 
-def check_flags(args, config) -> None:
-    if args.do_train and not args.train_file:
+@dataclass(frozen=True, kw_only=True)
+class SquadConfig(finetuning.Config):
+    """The run's settings: the common fine-tuning ones and SQuAD's."""
+    train_file: str | None
+    predict_file: str | None
+    version_2_with_negative: bool
+    max_seq_length: int
+    doc_stride: int
+    max_query_length: int
+    predict_batch_size: int
+    n_best_size: int
+    max_answer_length: int
+    null_score_diff_threshold: float
+
+
+def check_flags(config: SquadConfig, model_config) -> None:
+    if config.do_train and not config.train_file:
         raise InputError("--do_train needs --train_file")
-    if (args.do_predict or args.do_eval) and not args.predict_file:
+    if (config.do_predict or config.do_eval) and not config.predict_file:
         raise InputError("--do_predict and --do_eval need --predict_file")
-    if not args.max_query_length + 3 < args.max_seq_length <= config.max_position_embeddings:
-        raise InputError(f"--max_seq_length must be in ({args.max_query_length} + 3, "
-                         f"{config.max_position_embeddings}] (--max_query_length + 3, the model's "
-                         f"max_position_embeddings), got {args.max_seq_length}")
+    if not config.max_query_length + 3 < config.max_seq_length <= model_config.max_position_embeddings:
+        raise InputError(f"--max_seq_length must be in ({config.max_query_length} + 3, "
+                         f"{model_config.max_position_embeddings}] (--max_query_length + 3, the model's "
+                         f"max_position_embeddings), got {config.max_seq_length}")
     for name in ("doc_stride", "max_query_length", "predict_batch_size", "n_best_size", "max_answer_length"):
-        if getattr(args, name) < 1:
-            raise InputError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if getattr(config, name) < 1:
+            raise InputError(f"--{name} must be at least 1, got {getattr(config, name)}")
 
 
 def read_task_data(tokenizer, train_file: str | None, predict_file: str | None, *, scored: bool,
@@ -165,28 +181,29 @@ def score(result, predict_file: str, output_dir: Path, version_2_with_negative: 
 def main(argv=None, *, job: distributed.Job | None = None) -> dict:
     """Fine-tune and/or predict; returns the summary (also logged). job: run_cli's (training/distributed.py;
     default: a new one)."""
-    args = finetuning.parse_arguments(build_parser(), argv)
-    ds_config = finetuning.validate(args)
-    config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)
-    tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)
-    check_flags(args, config)
-    data = read_task_data(tokenizer, args.train_file if args.do_train else None,
-                          args.predict_file if args.do_predict or args.do_eval else None, scored=args.do_eval,
-                          version_2_with_negative=args.version_2_with_negative, max_seq_length=args.max_seq_length,
-                          doc_stride=args.doc_stride, max_query_length=args.max_query_length)
-    finetuning.check_weights(BertForQuestionAnswering, config, weights, fine_tune=args.do_train)
-    finetuning.check_training_data(ds_config, len(data["train"][1]) if "train" in data else None,
+    config = finetuning.build_config(finetuning.parse_arguments(build_parser(), argv), SquadConfig)
+    model_config, weights = finetuning.load_pretrained(config.init_checkpoint, config.config_file)
+    tokenizer = finetuning.load_tokenizer(config.vocab_file, config.do_lower_case, model_config)
+    check_flags(config, model_config)
+    data = read_task_data(tokenizer, config.train_file if config.do_train else None,
+                          config.predict_file if config.do_predict or config.do_eval else None,
+                          scored=config.do_eval, version_2_with_negative=config.version_2_with_negative,
+                          max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
+                          max_query_length=config.max_query_length)
+    finetuning.check_weights(BertForQuestionAnswering, model_config, weights, fine_tune=config.do_train)
+    finetuning.check_training_data(config.ds_config, len(data["train"][1]) if "train" in data else None,
                                    "training windows (features of --train_file's questions)")
-    session = finetuning.start(args, ds_config, "run_squad", job)  # from here on, the run writes its outputs
-    model = finetuning.build_model(BertForQuestionAnswering, config, weights, session, fine_tune=args.do_train)
+    session = finetuning.start(config, "run_squad", job)  # from here on, the run writes its outputs
+    model = finetuning.build_model(BertForQuestionAnswering, model_config, weights, session,
+                                   fine_tune=config.do_train)
     predict = None
     if "predict" in data:
         predict = functools.partial(
-            predict_and_evaluate, session, model, *data["predict"], batch_size=args.predict_batch_size,
-            n_best_size=args.n_best_size, max_answer_length=args.max_answer_length,
-            version_2_with_negative=args.version_2_with_negative,
-            null_score_diff_threshold=args.null_score_diff_threshold,
-            answers_file=args.predict_file if args.do_eval else None)
+            predict_and_evaluate, session, model, *data["predict"], batch_size=config.predict_batch_size,
+            n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
+            version_2_with_negative=config.version_2_with_negative,
+            null_score_diff_threshold=config.null_score_diff_threshold,
+            answers_file=config.predict_file if config.do_eval else None)
     return finetuning.train_then_evaluate(
         session, model, tensors(data["train"][1], training=True) if "train" in data else None, span_loss, predict)
 

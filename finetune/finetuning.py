@@ -6,14 +6,15 @@ Interface, in the order an entry point's main() calls it:
     parser, groups = finetuning.build_parser("...", usage)  # common flags (NVIDIA's names) in their groups;
                                                  # add the task's own to groups["data"], ...
     args = finetuning.parse_arguments(parser, argv)  # picks the accelerator before DeepSpeed is imported
-    ds_config = finetuning.validate(args)        # common checks + the DeepSpeed settings; InputError
-    config, weights = finetuning.load_pretrained(args.init_checkpoint, args.config_file)  # any weight source
-    tokenizer = finetuning.load_tokenizer(args.vocab_file, args.do_lower_case, config)  # vocab size == model's
-    make_model = lambda config: BertForSequenceClassification(config, 2)  # the task's head model
-    finetuning.check_weights(make_model, config, weights, fine_tune=args.do_train)  # InputError, before any output
-    session = finetuning.start(args, ds_config, "run_glue", job)  # device, process group, seed + rank, dllogger
-    model = finetuning.build_model(make_model, config, weights, session,
-                                   fine_tune=args.do_train)  # built under --seed on every rank
+    config = finetuning.build_config(args, GlueConfig)  # the entry point's Config subclass, with its own flags:
+                                                 # common checks + the DeepSpeed settings; InputError
+    model_config, weights = finetuning.load_pretrained(config.init_checkpoint, config.config_file)  # any source
+    tokenizer = finetuning.load_tokenizer(config.vocab_file, config.do_lower_case, model_config)  # vocab == model's
+    make_model = lambda model_config: BertForSequenceClassification(model_config, 2)  # the task's head model
+    finetuning.check_weights(make_model, model_config, weights, fine_tune=config.do_train)  # before any output
+    session = finetuning.start(config, "run_glue", job)  # device, process group, seed + rank, dllogger
+    model = finetuning.build_model(make_model, model_config, weights, session,
+                                   fine_tune=config.do_train)  # built under --seed on every rank
     summary = finetuning.train_then_evaluate(session, model, features, loss_fn, evaluate)
     #   = train(session, model, features, loss_fn)  (DeepSpeed; resume; SIGTERM -> checkpoint), then, unless
     #     stopped, evaluate(), which calls predict(session, model, features, batch_size, forward_fn); logged
@@ -43,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ from training import (
     init_weights,
     logs,
     progress_display,
+    schedule_resume,
 )
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -160,10 +162,44 @@ def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Name
     return args
 
 
-# ============================================================================ validation
+# ============================================================================ configuration
 
-def validate(args) -> dict:
-    """The common checks, before any work; returns the DeepSpeed settings (training) or None."""
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The common fine-tuning flags, typed and checked by build_config, and the DeepSpeed settings. An entry
+    point subclasses it (a frozen, keyword-only dataclass) with its own flags' fields, of the flags' names."""
+    do_train: bool
+    do_eval: bool
+    do_predict: bool
+    vocab_file: str
+    do_lower_case: bool
+    init_checkpoint: str | None
+    config_file: str | None
+    torch_compile: tuple[str | None, str | None] | None  # (backend, mode) with --enable_torch_compile, else None
+    learning_rate: float
+    num_train_epochs: float
+    max_steps: int                  # > 0: overrides num_train_epochs
+    warmup_proportion: float
+    seed: int                       # the samples' order in epoch e is a permutation seeded with seed + e
+    output_dir: Path                # checkpoints in its CHECKPOINT_SUBDIR
+    resume_from_checkpoint: bool
+    num_steps_per_checkpoint: int   # 0: only at the end and on SIGTERM/SIGINT
+    skip_checkpoint: bool
+    use_hpu: bool
+    no_cuda: bool
+    local_rank: int
+    json_summary: str
+    log_freq: int
+    disable_progress_bar: bool
+    ds_config: dict | None          # the DeepSpeed settings (deepspeed_settings); None without --do_train
+
+    def flags(self) -> dict:
+        """The flags' values, as the logged "Config" record shows them (the DeepSpeed settings are logged apart)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ds_config"}
+
+
+def build_config(args: argparse.Namespace, config_class: type[Config] = Config) -> Config:
+    """The common checks, before any work, and the entry point's Config (config_class) of the flags."""
     for flag in FP16_FLAGS:
         if getattr(args, flag[2:]):
             raise InputError(f"{flag} (NVIDIA's apex fp16) is not supported: for mixed precision set "
@@ -179,6 +215,8 @@ def validate(args) -> dict:
     for name in ("learning_rate", "num_train_epochs", "log_freq"):
         if not getattr(args, name) > 0:
             raise InputError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.max_steps > 0 and not float(args.max_steps).is_integer():  # NVIDIA's parser reads a float
+        raise InputError(f"--max_steps must be a whole number of steps, got {args.max_steps}")
     if not 0 <= args.warmup_proportion < 1:
         raise InputError(f"--warmup_proportion must be in [0, 1), got {args.warmup_proportion}")
     if args.seed < 0 or args.num_steps_per_checkpoint < 0:
@@ -187,10 +225,13 @@ def validate(args) -> dict:
     checkpoints = output_dir / CHECKPOINT_SUBDIR
     if args.do_train and not args.resume_from_checkpoint and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise InputError(f"{checkpoints} holds checkpoints: pass --resume_from_checkpoint or use a new --output_dir")
-    if not args.do_train:
-        return None
-    return deepspeed_settings(args.deepspeed_config, args.train_batch_size, args.gradient_accumulation_steps,
-                              int(os.environ.get("WORLD_SIZE", "1")))
+    ds_config = None
+    if args.do_train:
+        ds_config = deepspeed_settings(args.deepspeed_config, args.train_batch_size, args.gradient_accumulation_steps,
+                                       int(os.environ.get("WORLD_SIZE", "1")))
+    return command_line.settings_from_flags(
+        config_class, args, max_steps=int(args.max_steps), output_dir=output_dir, ds_config=ds_config,
+        torch_compile=(args.torch_compile_backend, args.torch_compile_mode) if args.enable_torch_compile else None)
 
 
 def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_accumulation_steps: int | None,
@@ -306,55 +347,36 @@ def load_tokenizer(vocab_file: str, do_lower_case: bool, config: BertConfig):
 # ============================================================================ session, model
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingFlags:
-    """What train() follows: the common flags of build_parser."""
-    learning_rate: float
-    warmup_proportion: float
-    max_steps: float                # > 0: overrides num_train_epochs
-    num_train_epochs: float
-    seed: int                       # the samples' order in epoch e is a permutation seeded with seed + e
-    log_freq: int
-    num_steps_per_checkpoint: int   # 0: only at the end and on SIGTERM/SIGINT
-    skip_checkpoint: bool
-    resume: bool                    # --resume_from_checkpoint
-    torch_compile: tuple[str, str] | None  # (backend, mode) with --enable_torch_compile, else None
-
-
-@dataclass(frozen=True, kw_only=True)
 class Session:
-    """A started run: device, process group, dllogger, and what train() and predict() follow."""
-    ds_config: dict | None  # None without --do_train
+    """A started run: device, process group, dllogger, and the Config that train() and predict() follow."""
+    config: Config
     device: torch.device
     rank: int
     world: int
     logger: object  # logs.build_logger's
     say: Callable[[str], None]  # prints on rank 0, nothing elsewhere
-    output_dir: Path  # --output_dir; checkpoints in its CHECKPOINT_SUBDIR
     progress_bar: bool  # rank 0 without --disable-progress-bar
-    training: TrainingFlags
+
+    @property
+    def output_dir(self) -> Path:
+        return self.config.output_dir
 
 
-def start(args, ds_config: dict | None, name: str, job: distributed.Job | None = None) -> Session:
-    """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters; the Session holds
-    the values of the flags that train() and predict() follow. job: run_cli's (default: a new one)."""
-    device = distributed.setup_device_and_distributed(job if job is not None else distributed.Job(), args.use_hpu,
-                                                      args.no_cuda, args.local_rank, ds_config=ds_config)
+def start(config: Config, name: str, job: distributed.Job | None = None) -> Session:
+    """Device and process group, seed + rank, dllogger (rank 0) with the run's parameters. job: run_cli's
+    (default: a new one)."""
+    device = distributed.setup_device_and_distributed(job if job is not None else distributed.Job(), config.use_hpu,
+                                                      config.no_cuda, config.local_rank, ds_config=config.ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device_setup.seed_everything(args.seed + rank)
+    device_setup.seed_everything(config.seed + rank)
     # A resumed run adds to the interrupted one's records, as run_pretraining.py does.
-    logger = logs.build_logger(args.json_summary, rank, append=args.resume_from_checkpoint)
-    logger.log(step="PARAMETER", data={"Config": str(vars(args)), "SEED": args.seed, "deepspeed_config": ds_config})
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    logger = logs.build_logger(config.json_summary, rank, append=config.resume_from_checkpoint)
+    logger.log(step="PARAMETER", data={"Config": str(config.flags()), "SEED": config.seed,
+                                       "deepspeed_config": config.ds_config})
+    config.output_dir.mkdir(parents=True, exist_ok=True)
     say = (lambda text: print(f"[{name}] {text}", flush=True)) if rank == 0 else (lambda text: None)
-    training = TrainingFlags(
-        learning_rate=args.learning_rate, warmup_proportion=args.warmup_proportion, max_steps=args.max_steps,
-        num_train_epochs=args.num_train_epochs, seed=args.seed, log_freq=args.log_freq,
-        num_steps_per_checkpoint=args.num_steps_per_checkpoint, skip_checkpoint=args.skip_checkpoint,
-        resume=args.resume_from_checkpoint,
-        torch_compile=(args.torch_compile_backend, args.torch_compile_mode) if args.enable_torch_compile else None)
-    return Session(ds_config=ds_config, device=device, rank=rank, world=world, logger=logger, say=say,
-                   output_dir=Path(args.output_dir), progress_bar=rank == 0 and not args.disable_progress_bar,
-                   training=training)
+    return Session(config=config, device=device, rank=rank, world=world, logger=logger, say=say,
+                   progress_bar=rank == 0 and not config.disable_progress_bar)
 
 
 def check_weights(make_model, config: BertConfig, weights: dict | None, *, fine_tune: bool) -> None:
@@ -410,9 +432,9 @@ def build_model(make_model, config: BertConfig, weights: dict | None, session: S
     not read it (POOLER_UNUSED). The model is built under the run's seed, the same on every rank (a fresh
     head is one head, not one per rank); seed + rank is in force again afterwards, for dropout and the like.
     The entry points call check_weights first, before start(): bad weights stop the run before it writes."""
-    device_setup.seed_everything(session.training.seed)
+    device_setup.seed_everything(session.config.seed)
     model = make_model(config)
-    device_setup.seed_everything(session.training.seed + session.rank)
+    device_setup.seed_everything(session.config.seed + session.rank)
     if weights is None:
         session.say("no --init_checkpoint: the encoder starts from random weights")
         return model
@@ -472,7 +494,7 @@ def training_plan(ds_config: dict, world: int, num_examples: int, what: str = "t
 
 def check_training_data(ds_config: dict | None, num_examples: int | None, what: str = "training examples") -> None:
     """training_plan's check before start() writes anything; the ranks are the launcher's WORLD_SIZE, as in
-    validate(). Nothing to check without training (ds_config or num_examples None)."""
+    build_config(). Nothing to check without training (ds_config or num_examples None)."""
     if ds_config is not None and num_examples is not None:
         training_plan(ds_config, int(os.environ.get("WORLD_SIZE", "1")), num_examples, what)
 
@@ -482,44 +504,44 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
     # start-up, so it happens before the training clock starts (transformers' Trainer imports it before train()).
     importlib.import_module("torch._dynamo")
     started = time.perf_counter()
-    flags, ds_config = session.training, session.ds_config
+    config, ds_config = session.config, session.config.ds_config
     plan = training_plan(ds_config, session.world, len(next(iter(features.values()))))
-    total_steps = plan.total_steps(flags.max_steps, flags.num_train_epochs)
+    total_steps = plan.total_steps(config.max_steps, config.num_train_epochs)
     # The fused kernel, as transformers' Trainer uses: on the CPU the default is a per-tensor loop, and the step
     # took most of a fine-tuning step's time (docs/results.md, bench_glue). Gaudi has its own fused optimizers.
     fused = session.device.type in ("cpu", "cuda")
-    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=flags.learning_rate, eps=1e-6, fused=fused)
-    scheduler = LinearWarmUpScheduler(optimizer, warmup=flags.warmup_proportion, total_steps=total_steps)
+    optimizer = torch.optim.AdamW(get_parameter_groups(model), lr=config.learning_rate, eps=1e-6, fused=fused)
+    scheduler = LinearWarmUpScheduler(optimizer, warmup=config.warmup_proportion, total_steps=total_steps)
     engine, _ = deepspeed_engine.initialize_engine(model, ds_config, optimizer, scheduler)
     # destroyed when training ends without an error: DeepSpeed's gradient hooks (bf16, ZeRO-1/2) would otherwise
     # keep the engine and the optimizer states alive after main returns
     with deepspeed_engine.destroyed_on_exit(engine):
-        if flags.torch_compile is not None:
-            compile_mode.compile_model(engine, *flags.torch_compile)
-        setup = training_setup(plan, flags.seed, features)
-        step = resume(session, engine, model.config, setup) if flags.resume else 0
+        if config.torch_compile is not None:
+            compile_mode.compile_model(engine, *config.torch_compile)
+        setup = training_setup(plan, config.seed, features)
+        step = resume(session, engine, model.config, setup) if config.resume_from_checkpoint else 0
         session.say(f"{plan.num_examples} examples, global batch {plan.global_batch}, {total_steps} steps"
                     + (f", resumed at step {step}" if step else ""))
         progress = progress_display.progress_bar(session.progress_bar, total_steps, step, "fine-tuning steps",
-                                                 flags.log_freq)
+                                                 config.log_freq)
         first_step, losses, stopped = step, [], False
         with command_line.stop_requests() as stop_event:
             while step < total_steps and not stopped:
                 step_started = time.perf_counter()
                 loss, stopped = train_step(session, engine, plan, features, loss_fn, step, stop_event)
-                if flags.torch_compile is not None and step == first_step:
+                if config.torch_compile is not None and step == first_step:
                     compile_mode.log_first_step(session.logger, session.say, time.perf_counter() - step_started)
                 step += 1
                 losses.append(loss)
                 progress.update(1)
-                if step % flags.log_freq == 0 or step == total_steps:
+                if step % config.log_freq == 0 or step == total_steps:
                     session.logger.log(step=(step * plan.global_batch // plan.num_examples, step),
                                        data={"step_loss": loss, "learning_rate": optimizer.param_groups[0]["lr"]})
-                if stopped or (flags.num_steps_per_checkpoint and step % flags.num_steps_per_checkpoint == 0):
+                if stopped or (config.num_steps_per_checkpoint and step % config.num_steps_per_checkpoint == 0):
                     save(session, engine, step, setup)
         progress.close()
         train_time = time.perf_counter() - started
-        if not flags.skip_checkpoint and not stopped and step > first_step:
+        if not config.skip_checkpoint and not stopped and step > first_step:
             save(session, engine, step, setup)
         if stopped:
             session.say(f"stop requested (SIGTERM/SIGINT): checkpoint {step} saved; --resume_from_checkpoint continues")
@@ -534,7 +556,7 @@ def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, st
     engine.train()
     losses = []
     for micro in range(plan.gas):
-        rows = plan.micro_batch_indices(step, micro, session.rank, session.training.seed)
+        rows = plan.micro_batch_indices(step, micro, session.rank, session.config.seed)
         loss = loss_fn(engine, to_device(features, rows, session.device))
         engine.backward(loss)
         engine.step()
@@ -558,9 +580,8 @@ SETUP_FLAGS = {"micro_batch": "--train_batch_size, --gradient_accumulation_steps
                "accumulation_steps": "--gradient_accumulation_steps or the DeepSpeed JSON",
                "examples": "the training file", "seed": "--seed",
                "data_sha256": "the training file, --max_seq_length or the vocab"}
-# The LR schedule's saved state, and the flags that set it.
-SCHEDULE_FLAGS = {"total_steps": "--max_steps or --num_train_epochs", "warmup": "--warmup_proportion",
-                  "base_lrs": "--learning_rate"}
+# Fine-tuning's total steps come from --num_train_epochs too (Plan.total_steps).
+SCHEDULE_FLAGS = {**schedule_resume.SCHEDULE_FLAGS, "total_steps": "the steps of --max_steps/--num_train_epochs"}
 
 
 def training_setup(plan: Plan, seed: int, features: dict) -> dict:
@@ -585,9 +606,9 @@ def save(session: Session, engine, step: int, setup: dict) -> None:
 
 def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
     """The step of the newest checkpoint in <output_dir>/checkpoints, loaded into engine (0 without one). A
-    checkpoint of another training setup or LR schedule is refused: the run would go on with other samples,
-    or on the old schedule (whose LR is 0 past its last step). Checkpoints saved before the setup was
-    saved are checked for their schedule only."""
+    checkpoint of another training setup is refused: the run would go on with other samples (checkpoints saved
+    before the setup was saved are not checked). Other LR schedule flags are followed from the step reached
+    on, as in pretraining (training/schedule_resume.py)."""
     directory = checkpoint_dir(session.output_dir)
     tag = checkpointing.find_resume_tag(directory, model_config=config.to_dict())
     if tag is None:
@@ -598,18 +619,15 @@ def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
     if rank_state is None:  # resuming fine-tuning on another world size is untested: keep refusing it
         raise checkpointing.CheckpointError(f"checkpoint {tag} in {directory} was written by another number of "
                                             f"ranks than this run's {session.world}; resume fine-tuning on that number")
-    saved_schedule = engine.lr_scheduler.state_dict()
     differences = [(key, saved, setup[key], flag) for key, flag in SETUP_FLAGS.items()
                    if (saved := client.get("training_setup", setup)[key]) != setup[key]]
-    differences += [(key, saved_schedule[key], schedule[key], flag) for key, flag in SCHEDULE_FLAGS.items()
-                    if saved_schedule[key] != schedule[key]]
     if differences:
         key, then, now, flag = differences[0]
-        then, now = (then[0], now[0]) if key == "base_lrs" else (then, now)
         raise InputError(f"checkpoint {tag} in {directory} was saved with another training setup: {key} {then!r} "
                          f"then, {now!r} now (set by {flag}); resume with the same data and flags, or start in "
                          f"another --output_dir")
     checkpointing.restore_rng_state(rank_state["rng"], session.device)
+    schedule_resume.follow_changed_schedule(engine.lr_scheduler, schedule, session.say, SCHEDULE_FLAGS)
     return int(client["global_step"])
 
 

@@ -343,9 +343,8 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
 
 def test_a_resume_with_another_training_setup_is_one_error_line(tmp_path, capsys):
     """A checkpoint of 3 steps; a resume that would take other samples from there (another seed, batch or
-    training file) or follow another LR schedule (more steps, another LR) is refused, naming the value then
-    and now and the flag; the same flags resume (and find nothing left to train). A checkpoint saved without
-    the setup (before it was saved) still resumes."""
+    training file) is refused, naming the value then and now and the flag; the same flags resume (and find
+    nothing left to train). A checkpoint saved without the setup (before it was saved) still resumes."""
     data = write_sst2_rule_task(tmp_path / "data", 96, 32)
     other_data = write_sst2_rule_task(tmp_path / "other_data", 96, 32)
     lines = (other_data / "train.tsv").read_text().splitlines()
@@ -356,9 +355,7 @@ def test_a_resume_with_another_training_setup_is_one_error_line(tmp_path, capsys
     capsys.readouterr()
     refusals = [({"seed": 7}, "seed 42 then, 7 now (set by --seed)"),
                 ({"train_batch_size": 8}, "micro_batch 16 then, 8 now (set by --train_batch_size"),
-                ({"data_dir": other_data}, "data_sha256 '"),
-                ({"max_steps": 6}, "total_steps 3 then, 6 now (set by --max_steps or --num_train_epochs)"),
-                ({"learning_rate": 1e-3}, "base_lrs 0.0005 then, 0.001 now (set by --learning_rate)")]
+                ({"data_dir": other_data}, "data_sha256 '")]
     for changed, expected in refusals:
         flags = {**common, **changed}
         argv = glue_argv(flags.pop("data_dir", data), tmp_path / "out", resume_from_checkpoint=True, **flags)
@@ -374,6 +371,29 @@ def test_a_resume_with_another_training_setup_is_one_error_line(tmp_path, capsys
     manifest_path.write_text(json.dumps(manifest))
     argv = glue_argv(data, tmp_path / "out", resume_from_checkpoint=True, **{**common, "seed": 7})
     assert run_glue.main(argv)["global_step"] == 3
+
+
+@pytest.mark.parametrize("changed,said", [
+    ({"max_steps": 6}, "the steps of --max_steps/--num_train_epochs 3 -> 6"),
+    ({"max_steps": 6, "learning_rate": 1e-3}, "the steps of --max_steps/--num_train_epochs 3 -> 6, "
+                                              "--learning_rate 0.0005 -> 0.001")])
+def test_a_resume_with_other_schedule_flags_follows_the_new_flags(tmp_path, capsys, changed, said):
+    """As in pretraining (training/schedule_resume.py): a 3-step run resumed with --max_steps 6 (and another
+    LR) trains steps 4-6 at the LRs of a 6-step run with the new flags from the start, and says what changed.
+    The restored schedule would have ended at step 3 (LR 0 from there)."""
+    data = write_sst2_rule_task(tmp_path / "data", 96, 32)
+    common = dict(config_file=TINY_CONFIG, do_eval=False, max_seq_length=32, log_freq=1)
+    run_glue.main(glue_argv(data, tmp_path / "whole", **common, **changed))
+    run_glue.main(glue_argv(data, tmp_path / "resumed", **common, max_steps=3))
+    capsys.readouterr()
+    resumed = run_glue.main(glue_argv(data, tmp_path / "resumed", resume_from_checkpoint=True, **common, **changed))
+    assert resumed["global_step"] == 6
+    assert f"the LR schedule changed since the checkpoint ({said}): from step 4 on" in capsys.readouterr().out
+    whole, split = ({r["step"][1]: r["data"]["learning_rate"]
+                     for r in helpers.step_records(tmp_path / name / "dllogger.json")} for name in ("whole", "resumed"))
+    assert sorted(split) == [1, 2, 3, 4, 5, 6]
+    assert [split[step] for step in (4, 5, 6)] == pytest.approx([whole[step] for step in (4, 5, 6)], rel=1e-6)
+    assert split[4] > 0
 
 
 # ============================================================================ 2 ranks == 1 rank

@@ -298,7 +298,7 @@ def test_a_fresh_head_is_built_under_the_seed_on_every_rank_then_seed_plus_rank(
     from modeling import BertConfig, BertForQuestionAnswering
     config = BertConfig.from_json_file(TINY_CONFIG)
     weights = read_state_dict_file(pretraining_state_file(tmp_path), "--init_checkpoint")
-    session = types.SimpleNamespace(rank=rank, training=types.SimpleNamespace(seed=7), say=lambda text: None)
+    session = types.SimpleNamespace(rank=rank, config=types.SimpleNamespace(seed=7), say=lambda text: None)
     torch.manual_seed(1000 + rank)  # what start() left: another state on every rank
     model = finetuning.build_model(BertForQuestionAnswering, config, weights, session, fine_tune=True)
     after = torch.rand(4)
