@@ -11,9 +11,11 @@ or as one process with `python run_pretraining.py ...`. Flags follow the Habana 
 defaults); docs/differences.md lists where the behaviour differs. `main(argv)` returns the run summary as a dict,
 so tests drive the real program in-process.
 
-Stages of a run: parse + validate every input (one clear error before any step) -> device, backend and
-DeepSpeed's CPU traps -> model, optimizer, scheduler, engine -> resume / init / phase-2 -> the training
-loop (`train`) -> final checkpoint and summary.
+Stages of a run: parse the flags into one frozen Config (build_config) and check the files it names
+(open_inputs): one clear error before any step -> device, backend and DeepSpeed's CPU traps -> the checkpoint
+to resume from, checked before anything is built (choose_checkpoint) -> model, optimizer, scheduler, engine
+-> resume / init / phase-2 -> the training loop (`train`, with RunSettings and RunObjects) -> final
+checkpoint and summary.
 """
 
 import argparse
@@ -619,10 +621,11 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
 
 
 def choose_checkpoint(config: Config, checkpoint_dir: Path, copies: checkpoint_s3.CheckpointUploader | None,
-                      device: torch.device, say: Callable[[str], None]) -> str | None:
+                      device: torch.device, data_layout: dict, say: Callable[[str], None]) -> str | None:
     """The tag a resume loads (None: a fresh start), chosen and checked before the model and the engine are
-    built (minutes for the 5B model): a checkpoint of another model config, or a --resume_step that
-    --output_dir lacks, is refused from its manifest. With an s3:// --output_dir, collective: the staging
+    built (minutes for the 5B model): a --resume_step that --output_dir lacks, a checkpoint of another model
+    config (its manifest says), of another data layout or, for --phase2, of another step than
+    --phase1_end_step (its client state says) is refused. With an s3:// --output_dir, collective: the staging
     directory checkpoint_dir is emptied, or given the checkpoint to resume from."""
     if copies is not None:  # for an s3:// --output_dir, prepare() refuses a tag the prefix lacks
         copies.prepare(device, config.resume_from_checkpoint, config.resume_tag, say=say)
@@ -634,17 +637,25 @@ def choose_checkpoint(config: Config, checkpoint_dir: Path, copies: checkpoint_s
         tag = checkpointing.find_resume_tag(checkpoint_dir, model_config=model_config)
         if tag is None:
             say(f"no checkpoint in {config.output_dir}: starting from scratch")
-        return tag
-    if not (checkpoint_dir / tag).is_dir():
+            return None
+    elif not (checkpoint_dir / tag).is_dir():
         raise InputError(f"--resume_step {tag}: {config.output_dir} holds no checkpoint {tag}")
-    checkpoint_resume.check_resumable(checkpoint_dir, tag, model_config=model_config)
+    else:
+        checkpoint_resume.check_resumable(checkpoint_dir, tag, model_config=model_config)
+    client = checkpoint_resume.saved_client_state(checkpoint_dir, tag)
+    if config.phase2 and client["phase"] == 1:
+        if client["global_step"] != config.phase1_end_step:
+            raise InputError(f"checkpoint {tag} is at step {client['global_step']}, "
+                             f"but --phase1_end_step is {config.phase1_end_step}")
+    else:  # phase 2 reads its own data from position 0
+        check_data_layout(client["data_layout"], data_layout, tag)
     return tag
 
 
-def restore_state(run: "RunObjects", config: Config, tag: str | None, data_layout: dict) -> TrainState:
-    """Resume from checkpoint `tag` (choose_checkpoint's) in run.checkpoint_dir (--output_dir, or the staging
-    copy of an s3:// one); a fresh state when tag is None. --phase2 with a phase-1 checkpoint starts phase 2
-    from it; a resume on another world size re-seeds the ranks."""
+def restore_state(run: "RunObjects", config: Config, tag: str | None) -> TrainState:
+    """Resume from checkpoint `tag` (choose_checkpoint's, which has checked it) in run.checkpoint_dir
+    (--output_dir, or the staging copy of an s3:// one); a fresh state when tag is None. --phase2 with a phase-1
+    checkpoint starts phase 2 from it; a resume on another world size re-seeds the ranks."""
     fresh = TrainState(phase=2 if config.phase2 else 1)
     if tag is None:
         return fresh
@@ -661,13 +672,8 @@ def restore_state(run: "RunObjects", config: Config, tag: str | None, data_layou
         checkpointing.restore_rng_state(rank_state["rng"], engine.device)
         state.open_window = rank_state.get("log_window", {})
     if config.phase2 and state.phase == 1:
-        if state.global_step != config.phase1_end_step:
-            raise InputError(f"checkpoint {tag} is at step {state.global_step}, "
-                             f"but --phase1_end_step is {config.phase1_end_step}")
         start_phase2(engine, run.optimizer, fresh_schedule)
         state = TrainState(phase=2)  # phase 2 reads its own data from position 0
-    else:
-        check_data_layout(client["data_layout"], data_layout, tag)
     run.say(f"resumed from checkpoint {tag}: phase {state.phase}, step {state.global_step}, "
             f"{state.samples_consumed} samples consumed")
     # Only PolyWarmUp (--use_lr_scheduler) saves its schedule; a DeepSpeed JSON scheduler saves only its step
@@ -1050,8 +1056,11 @@ def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
     peak_dtype = torch.bfloat16 if sizing.bf16_enabled(config.ds_config) else torch.float32
     peak, peak_source = hardware.peak_tflops(device, peak_dtype, config.peak_tflops)
     say(f"MFU is model FLOPs / {peak:.3f} TFLOP/s per device ({peak_source})")
+    window_size = window_size_for_budget(int(config.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
+    data_layout = describe_data_layout(data.shards, window_size, config.seed,
+                                       shuffle=not config.disable_random_sampler)
     checkpoint_dir = Path(config.output_dir) if copies is None else copies.local_dir
-    resume_tag = choose_checkpoint(config, checkpoint_dir, copies, device, say)
+    resume_tag = choose_checkpoint(config, checkpoint_dir, copies, device, data_layout, say)
     model = build_model(config.model_config, config.init_checkpoint, config.activation_checkpoint_interval)
     # The log is started once the run is known to fit and its weights to load: a refused attempt of a
     # launcher (which resumes, appending) adds nothing to the run's log.
@@ -1069,16 +1078,13 @@ def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
     # Every normal way out from here (the end, nothing to train, a stop during start-up) frees the engine:
     # DeepSpeed's gradient hooks would otherwise keep it, the model and the optimizer states alive after main.
     with deepspeed_engine.destroyed_on_exit(engine):
-        return run_training(run, config, data, resume_tag, peak, stop_event, started)
+        return run_training(run, config, data, data_layout, resume_tag, peak, stop_event, started)
 
 
-def run_training(run: RunObjects, config: Config, data: DataInfo, resume_tag: str | None, peak_tflops: float,
-                 stop_event: threading.Event, started: float) -> dict:
+def run_training(run: RunObjects, config: Config, data: DataInfo, data_layout: dict, resume_tag: str | None,
+                 peak_tflops: float, stop_event: threading.Event, started: float) -> dict:
     """Resume (or start), the loop, the last checkpoint's copy and the summary: logged, and returned."""
-    window_size = window_size_for_budget(int(config.data_memory_budget_mb * 2 ** 20), data.seq_len, data.max_pred)
-    data_layout = describe_data_layout(data.shards, window_size, config.seed,
-                                       shuffle=not config.disable_random_sampler)
-    state = restore_state(run, config, resume_tag, data_layout)
+    state = restore_state(run, config, resume_tag)
     run.status_file.saved(resume_tag)
     if config.skip_train:
         return evaluate_only(run, state, started)
@@ -1090,7 +1096,7 @@ def run_training(run: RunObjects, config: Config, data: DataInfo, resume_tag: st
     micro, gas = run.engine.train_micro_batch_size_per_gpu(), run.engine.gradient_accumulation_steps()
     rank, world = dist.get_rank(), dist.get_world_size()
     run.say(f"global batch {micro * gas * world} = micro-batch {micro} x {gas} accumulation steps x {world} ranks")
-    reader = WindowReader(data.shards, config.seed, window_size, config.model_config.vocab_size,
+    reader = WindowReader(data.shards, config.seed, data_layout["window_size"], config.model_config.vocab_size,
                           shuffle=not config.disable_random_sampler, skip_bad_shards=config.skip_bad_shards,
                           skipped_shards=state.skipped_shards, shard_files=data.shard_files,
                           type_vocab_size=config.model_config.type_vocab_size)

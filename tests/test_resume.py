@@ -467,10 +467,11 @@ def test_resume_with_another_data_layout_is_one_error_line(tmp_path, shards, cap
 
 @pytest.mark.slow
 def test_a_checkpoint_this_run_cannot_resume_is_refused_before_the_engine_is_built(tmp_path, shards):
-    """The checkpoint's manifest tells another model config (the newest checkpoint's, or --resume_step's) and a
-    --resume_step that is not there: the error used to come only after the engine's set-up (22 s in the user's
-    report). It now comes before DeepSpeed builds the engine, whose first line here is ZeRO's warning about
-    LANS (engine.py), and before the run's log is started."""
+    """What the checkpoint's manifest and client state tell: another model config (the newest checkpoint's, or
+    --resume_step's), a --resume_step that is not there, another data layout, a --phase1_end_step other than
+    the checkpoint's step. The error used to come only after the engine's set-up (22 s in the user's report);
+    it now comes before DeepSpeed builds the engine, whose first line here is ZeRO's warning about LANS
+    (engine.py), and before the run's log is started."""
     config, out = ds_config(tmp_path, 1, True, 1), tmp_path / "out"
     main_in_process(driver_args(shards, out, config, tmp_path / "a.json", 2))
     other = json.loads(helpers.TINY_MODEL_CONFIG.read_text())
@@ -479,7 +480,10 @@ def test_a_checkpoint_this_run_cannot_resume_is_refused_before_the_engine_is_bui
     another_config = "is from another model config (intermediate_size: checkpoint 512 vs run 256)"
     for flags, expected in (({"config_file": tmp_path / "other.json"}, another_config),
                             ({"config_file": tmp_path / "other.json", "resume_step": 2}, another_config),
-                            ({"resume_step": 7}, f"--resume_step 7: {out} holds no checkpoint 7")):
+                            ({"resume_step": 7}, f"--resume_step 7: {out} holds no checkpoint 7"),
+                            ({"seed": 7}, "checkpoint 2 was saved with another data layout: seed 42 then, 7 now"),
+                            ({"phase2": True, "phase1_end_step": 7}, "checkpoint 2 is at step 2, but --phase1_end_step "
+                                                                     "is 7")):
         status, output = finish(start(driver_args(shards, out, config, tmp_path / "b.json", 4, **flags), 1))
         lines = output.splitlines()
         errors = [number for number, line in enumerate(lines) if line.startswith("error:")]

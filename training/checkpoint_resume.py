@@ -31,6 +31,17 @@ def check_resumable(output_dir, tag: str, model_config: dict) -> None:
     check_compatible(tag_dir, manifest, model_config)
 
 
+def saved_client_state(output_dir, tag: str) -> dict:
+    """The client_state that checkpoint <output_dir>/<tag> was saved with (the keys its manifest lists), read
+    without an engine: DeepSpeed's model states file is mapped, and its weights are not read."""
+    tag_dir = Path(output_dir) / str(tag)
+    manifest, reason = read_manifest(tag_dir)
+    if manifest is None:
+        raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
+    states = load_weights_only(tag_dir / "mp_rank_00_model_states.pt", mmap=True)
+    return {key: states[key] for key in manifest["client_state_keys"]}
+
+
 def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: int, *,
                     model_config: dict | None = None, say=None) -> tuple[dict, dict | None]:
     """Collective (DeepSpeed's load is). Loads everything checkpoint <output_dir>/<tag> holds into engine:
