@@ -181,7 +181,7 @@ class Config:
     max_steps: int                  # > 0: overrides num_train_epochs
     warmup_proportion: float
     seed: int                       # the samples' order in epoch e is a permutation seeded with seed + e
-    output_dir: Path                # checkpoints in its CHECKPOINT_SUBDIR
+    output_dir: str                 # checkpoints in its CHECKPOINT_SUBDIR
     resume_from_checkpoint: bool
     num_steps_per_checkpoint: int   # 0: only at the end and on SIGTERM/SIGINT
     skip_checkpoint: bool
@@ -221,8 +221,7 @@ def build_config(args: argparse.Namespace, config_class: type[Config] = Config) 
         raise InputError(f"--warmup_proportion must be in [0, 1), got {args.warmup_proportion}")
     if args.seed < 0 or args.num_steps_per_checkpoint < 0:
         raise InputError("--seed and --num_steps_per_checkpoint must be 0 or more")
-    output_dir = Path(args.output_dir)
-    checkpoints = output_dir / CHECKPOINT_SUBDIR
+    checkpoints = checkpoint_dir(args.output_dir)
     if args.do_train and not args.resume_from_checkpoint and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise InputError(f"{checkpoints} holds checkpoints: pass --resume_from_checkpoint or use a new --output_dir")
     ds_config = None
@@ -230,7 +229,7 @@ def build_config(args: argparse.Namespace, config_class: type[Config] = Config) 
         ds_config = deepspeed_settings(args.deepspeed_config, args.train_batch_size, args.gradient_accumulation_steps,
                                        int(os.environ.get("WORLD_SIZE", "1")))
     return command_line.settings_from_flags(
-        config_class, args, max_steps=int(args.max_steps), output_dir=output_dir, ds_config=ds_config,
+        config_class, args, max_steps=int(args.max_steps), ds_config=ds_config,
         torch_compile=(args.torch_compile_backend, args.torch_compile_mode) if args.enable_torch_compile else None)
 
 
@@ -359,7 +358,7 @@ class Session:
 
     @property
     def output_dir(self) -> Path:
-        return self.config.output_dir
+        return Path(self.config.output_dir)
 
 
 def start(config: Config, name: str, job: distributed.Job | None = None) -> Session:
@@ -373,7 +372,7 @@ def start(config: Config, name: str, job: distributed.Job | None = None) -> Sess
     logger = logs.build_logger(config.json_summary, rank, append=config.resume_from_checkpoint)
     logger.log(step="PARAMETER", data={"Config": str(config.flags()), "SEED": config.seed,
                                        "deepspeed_config": config.ds_config})
-    config.output_dir.mkdir(parents=True, exist_ok=True)
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     say = (lambda text: print(f"[{name}] {text}", flush=True)) if rank == 0 else (lambda text: None)
     return Session(config=config, device=device, rank=rank, world=world, logger=logger, say=say,
                    progress_bar=rank == 0 and not config.disable_progress_bar)
