@@ -14,6 +14,7 @@ import pytest
 import helpers
 import run_pretraining as rp
 from test_resume import finish
+from training.run_status import ExitStatus
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +132,7 @@ def test_a_shard_bad_on_one_host_only_is_dropped_by_every_rank(tmp_path):
 def test_ranks_whose_copies_of_the_data_differ_stop_before_training(tmp_path):
     """Each rank lists --input_dir itself. Rank 1's copy lacks a shard (an unfinished copy to that server): the
     ranks would cut different streams. The run must stop at start-up with one line on rank 0 naming the rank,
-    its host and the missing shard, and write no checkpoint."""
+    its host and the missing shard, exit NO_RESTART (bad input), and write no checkpoint."""
     full, partial = tmp_path / "host0", tmp_path / "host1"
     names = [path.name for path in helpers.write_synthetic_shards(full, [24, 40, 17])]
     helpers.write_synthetic_shards(partial, [24, 40, 17])
@@ -139,7 +140,7 @@ def test_ranks_whose_copies_of_the_data_differ_stop_before_training(tmp_path):
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=False, micro=4, world=2)
     outputs = run_ranks_with_own_argv(
         [helpers.driver_argv(data, tmp_path / "out", ds_config, max_steps=2) for data in (full, partial)],
-        expect_status=1)
+        expect_status=ExitStatus.NO_RESTART)
     errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in outputs[0], outputs[0][-3000:]
     assert re.fullmatch(rf"error: --input_dir {re.escape(str(full))} holds other training shards on rank 1 \(.+\) "

@@ -22,7 +22,7 @@ import torch
 import helpers
 import run_pretraining as rp
 from test_driver_multirank import no_dropout_config
-from training import checkpoint_export, checkpointing
+from training import checkpoint_export, checkpoint_resume, checkpointing
 
 pytestmark = pytest.mark.slow
 
@@ -163,9 +163,9 @@ def test_resume_without_the_optimizer_state_is_caught(runs, monkeypatch):
     the saving ranks silently dropped), the resumed losses leave the uninterrupted run's."""
     reference, _ = runs.uninterrupted(1, 1, False)
     out, ds_config = runs.resumable(2, 1, False, "control")
-    # The one patch of a private checkpointing function left in the tests, on purpose: the control breaks this step.
+    # The one patch of a private checkpoint function left in the tests, on purpose: the control breaks this step.
     # A public switch to drop the optimizer state would be a flag no run needs, and --init_checkpoint (weights
     # only) also resets the step, schedule and data position, so the losses would part for other reasons too.
-    monkeypatch.setattr(checkpointing, "_repartition_optimizer_state", lambda engine, tag_dir: None)
+    monkeypatch.setattr(checkpoint_resume, "_repartition_optimizer_state", lambda engine, tag_dir: None)
     second, _ = runs.run("control", 1, out, ds_config, resume_from_checkpoint=True, skip_checkpoint=True)
     assert max_difference(second, reference, range(SAVE_AT + 1, STEPS + 1)) > 100 * FP32_TOLERANCE
