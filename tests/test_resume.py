@@ -60,6 +60,20 @@ def _kill_before(function, should_die):
     return wrapper
 
 
+def is_status_file(path) -> bool:
+    """The run's status file (training/run_status.py), renamed into place outside any checkpoint save."""
+    return str(path).endswith(".status.json")
+
+
+def _kill_before_checkpoint_rename(function, should_die):
+    """os.replace that kills at the chosen rename of a checkpoint's files; the status file's are not counted."""
+    def wrapper(src, dst, *args, **kwargs):
+        if not is_status_file(dst) and should_die():
+            _die()
+        return function(src, dst, *args, **kwargs)
+    return wrapper
+
+
 def _kill_after(function, should_die):
     def wrapper(*args, **kwargs):
         result = function(*args, **kwargs)
@@ -131,7 +145,7 @@ KILL_EVENTS = {
     "backward": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _kill_before),  # mid step
     "step": ("deepspeed.runtime.engine", "DeepSpeedEngine.step", _kill_after),  # update done, not saved
     "torch_save": ("torch", "save", _torn_save),  # inside a checkpoint save: a file half written
-    "replace": ("os", "replace", _kill_before),  # inside a save: rank file, manifest or `latest` not renamed
+    "replace": ("os", "replace", _kill_before_checkpoint_rename),  # a rank file, manifest or `latest` not renamed
     "hold": ("deepspeed.runtime.engine", "DeepSpeedEngine.backward", _hold_before),  # wait for an outside kill
     "sigterm_at_engine_set_up": ("deepspeed", "initialize", _sigterm_before),  # start-up, before any step
 }
