@@ -347,7 +347,7 @@ def fine_tuning_model(make_model, source, fine_tune, said=None, config_file=None
 
     from finetune import finetuning
     config, weights = finetuning.load_pretrained(source, config_file)
-    session = types.SimpleNamespace(rank=0, training=types.SimpleNamespace(seed=1),
+    session = types.SimpleNamespace(rank=0, config=types.SimpleNamespace(seed=1),
                                     say=(said.append if said is not None else lambda text: None))
     return finetuning.build_model(make_model, config, weights, session, fine_tune=fine_tune)
 
