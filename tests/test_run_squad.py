@@ -205,7 +205,10 @@ def test_fine_tuning_learns_to_point_at_the_named_word(tmp_path, pretrained_tiny
     assert summary["exact_match"] >= 80, summary
 
 
+# The negative control of the check above (its data, not the code, teaches the task): under the marker extra, for
+# a change to the check or its data; CI's run leaves it out.
 @pytest.mark.slow
+@pytest.mark.extra
 @pytest.mark.usefixtures("every_cpu_thread")
 def test_with_shuffled_answers_the_same_run_stays_low(tmp_path, pretrained_tiny_post_ln):
     summary = learning_run(tmp_path, *pretrained_tiny_post_ln, shuffled=True)
