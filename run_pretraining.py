@@ -18,6 +18,16 @@ to resume from, checked before anything is built (choose_checkpoint) -> model, o
 checkpoint and summary.
 """
 
+import signal
+
+# A SIGTERM or SIGINT that comes while the imports below run (seconds, far more on a loaded server) waits,
+# blocked, for main's stop handler (training/command_line.stop_requests unblocks it there): else it would end
+# the rank at once, without its error line or status file. DeepSpeed's per-node launcher sends one to every
+# rank as soon as one rank exits with an error, and the supervisor needs rank 0's report of that same error.
+# Only as a program: a process that imports this module (the tests) keeps its signals.
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+
 import argparse
 import functools
 import hashlib

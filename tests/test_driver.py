@@ -28,7 +28,7 @@ import run_pretraining as rp
 from common.errors import NO_RESTART_MARK
 from finetune.hf_interop import to_transformers_config
 from modeling import BertConfig, BertForSequenceClassification, BertPretrainingCriterion
-from training import checkpoint_export, checkpointing, deepspeed_engine, distributed, gaudi, init_weights
+from training import checkpoint_export, checkpointing, deepspeed_engine, distributed, gaudi, init_weights, run_status
 from training.run_status import ExitStatus
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
@@ -444,6 +444,42 @@ def test_a_rank_that_never_comes_is_one_error_line_at_the_collective_timeout(tmp
                                 f"within --collective_timeout_s 5 s: a server did not start its ranks, or cannot "
                                 f"reach that address; the job stops ("), errors[0]
     assert not errors[0].endswith(NO_RESTART_MARK)
+
+
+def mapped_files(pid: int) -> str:
+    """The files process `pid` has mapped (/proc/PID/maps): the shared libraries of the modules it imported."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_sigterm_while_the_rank_imports_torch_still_gets_its_error_line_and_status_file(tmp_path, tiny_shards):
+    """DeepSpeed's per-node launcher sends SIGTERM to every rank once one exits with an error: a rank still
+    importing torch (seconds on a loaded server) is then told to stop. It used to die at once, so rank 0's
+    report of the input error that the other rank met first was missing, and the supervisor read two attempts
+    that failed alike as two different failures (it restarted once more). The driver blocks stop signals while
+    it imports and takes them in main: the run meets the same bad input, prints its one line and writes its
+    status file. The signal is sent while torch's library is not yet loaded and hashlib's is (the driver
+    imports hashlib on its first import line, torch a few lines later)."""
+    summary = tmp_path / "results" / "dllogger.json"
+    summary.parent.mkdir()
+    argv = helpers.driver_argv(tiny_shards, tmp_path / "out", helpers.write_ds_config(tmp_path / "ds.json"),
+                               json_summary=summary, init_checkpoint="/nonexistent/checkpoint.pt")
+    process = subprocess.Popen([sys.executable, str(helpers.REPO_ROOT / "run_pretraining.py"), *map(str, argv)],
+                               cwd=helpers.REPO_ROOT, env=helpers.launcher_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "_hashlib" not in (maps := mapped_files(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate(timeout=30)
+            time.sleep(0.001)
+        process.send_signal(signal.SIGTERM)
+        assert "libtorch" not in maps  # the signal came during the imports
+        out, err = process.communicate(timeout=180)
+    finally:
+        process.kill()
+    message = "--init_checkpoint /nonexistent/checkpoint.pt does not exist"
+    assert (process.returncode, err.strip().splitlines()[-1:]) == (ExitStatus.FAILED, [f"error: {message}"]), err
+    status = run_status.read_status(run_status.status_path(summary))
+    assert (status["exit_status"], status["message"]) == (ExitStatus.FAILED, message)
 
 
 class EndedBySigterm(Exception):

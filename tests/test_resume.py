@@ -26,6 +26,11 @@ import threading
 import time
 from pathlib import Path
 
+# As a program (the rank of the launcher tests), it blocks stop signals during its imports as run_pretraining.py
+# does as a program (see there): the driver's cli takes them.
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+
 import psutil
 import pytest
 import torch

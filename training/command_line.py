@@ -76,14 +76,19 @@ def check_writable_file(path, flag: str) -> None:
         raise InputError(f"{flag} {path} is not writable")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextmanager
 def stop_requests():
-    """SIGTERM/SIGINT set an event instead of killing the process; the loop checks it at step ends."""
+    """SIGTERM/SIGINT set an event instead of killing the process; the loop checks it at step ends. A stop signal
+    that an entry point blocked while it started (run_pretraining.py) and that came meanwhile sets it at once."""
     event = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield event  # signal handlers can only be installed from the main thread
         return
-    previous = {sig: signal.signal(sig, lambda *_: event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, lambda *_: event.set()) for sig in STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is handled here
     try:
         yield event
     finally:
