@@ -187,7 +187,7 @@ def every_cpu_thread():
     """torch uses this worker's share of the CPUs for this test (the suite runs with OMP_NUM_THREADS=1): for
     the long single-process fine-tuning checks, which take about a quarter less time on 2 cores than on 1
     (docs/results.md). Under pytest-xdist the workers split the CPUs: two workers that each spin 2 OpenMP
-    threads on 2 cores made the SQuAD check 5.6x slower (365 s against 65 s)."""
+    threads on 2 cores made the SQuAD check 4x slower (364 s against 89 s)."""
     import os
 
     import torch
