@@ -676,6 +676,8 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
 
 
 def run_cli(main, argv) -> int:
-    """An entry point's cli(): one error line and exit status 1 for bad input or a bad checkpoint; 3 (STOPPED,
-    training/run_status.py) when a stop request ended training."""
-    return command_line.run_cli(main, argv, (checkpointing.CheckpointError,))
+    """An entry point's cli(): one error line instead of a traceback, and an exit status of training/run_status.py's
+    contract, as run_pretraining.cli's: bad input is final (NO_RESTART, 2; the line says [no restart]), since a
+    restart would meet it again; a checkpoint that cannot be saved or resumed from is a FAILED run (1); STOPPED (3)
+    when a stop request ended training."""
+    return command_line.run_cli(main, argv, (checkpointing.CheckpointError,), final=(InputError,))

@@ -12,8 +12,8 @@ import torch
 
 import helpers
 import run_glue
-from common.errors import InputError
-from finetune import hf_interop
+from common.errors import NO_RESTART_MARK, InputError
+from finetune import finetuning, hf_interop
 from finetune_helpers import (
     REPO_ROOT,
     TINY_CONFIG,
@@ -23,7 +23,8 @@ from finetune_helpers import (
     write_sst2_rule_task,
 )
 from modeling import BertConfig
-from training import checkpoint_export, checkpointing, deepspeed_engine
+from training import checkpoint_export, checkpointing, deepspeed_engine, run_status
+from training.run_status import ExitStatus
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -43,19 +44,20 @@ def glue_argv(data_dir, output_dir, **flags):
 
 
 def one_error_line(capsys) -> str:
+    """The one line on stderr, without the NO_RESTART_MARK that ends it (bad input is final)."""
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
+    assert len(lines) == 1 and lines[0].endswith(NO_RESTART_MARK), lines
+    return lines[0].removesuffix(NO_RESTART_MARK)
 
 
-# ============================================================================ bad input: one line, exit 1
+# ============================================================================ bad input: one line, exit 2 (NO_RESTART)
 
 def test_a_vocab_of_another_size_is_one_error(tmp_path, capsys):
     data = write_sst2_rule_task(tmp_path / "data", 40, 10)
     short_vocab = tmp_path / "vocab.txt"
     short_vocab.write_text("\n".join(VOCAB.read_text().splitlines()[:2000]) + "\n")
     argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, vocab_file=short_vocab)
-    assert run_glue.cli(argv) == 1
+    assert run_glue.cli(argv) == ExitStatus.NO_RESTART
     assert one_error_line(capsys) == (f"error: --vocab_file {short_vocab} has 2000 tokens, but the model has "
                                       "vocab_size 30522: use the pretrained model's vocab")
 
@@ -65,14 +67,14 @@ def test_a_malformed_tsv_is_one_error_naming_file_and_line(tmp_path, capsys):
     lines = (data / "dev.tsv").read_text().splitlines()
     lines[5] = lines[5].split("\t")[0]  # the label column is gone
     (data / "dev.tsv").write_text("\n".join(lines) + "\n")
-    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG)) == 1
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG)) == ExitStatus.NO_RESTART
     assert one_error_line(capsys) == f"error: {data / 'dev.tsv'}:6: 1 tab-separated column(s), sst-2 needs at least 2"
 
 
 def test_a_label_outside_the_set_is_one_error(tmp_path, capsys):
     data = write_sst2_rule_task(tmp_path / "data", 40, 10)
     (data / "train.tsv").write_text((data / "train.tsv").read_text().replace("\t1\n", "\tpositive\n", 1))
-    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG)) == 1
+    assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG)) == ExitStatus.NO_RESTART
     assert "label 'positive' is not one of sst-2's labels 0, 1" in one_error_line(capsys)
 
 
@@ -82,7 +84,7 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
     from modeling import BertForPreTraining, BertForSequenceClassification
     torch.save(BertForPreTraining(other).state_dict(), tmp_path / "other.pt")
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
-                                  init_checkpoint=tmp_path / "other.pt")) == 1
+                                  init_checkpoint=tmp_path / "other.pt")) == ExitStatus.NO_RESTART
     # The encoder's tensors of another shape, counted here over the two state dicts; the first in the model's order.
     own = BertForSequenceClassification(BertConfig.from_json_file(TINY_CONFIG), 2).state_dict()
     saved = BertForPreTraining(other).state_dict()
@@ -94,7 +96,7 @@ def test_a_checkpoint_for_another_model_config_is_one_error(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before the output directory and dllogger.json are made
     hf_interop.export_directory(BertForPreTraining(other).state_dict(), other, VOCAB, True, tmp_path / "hf")
     assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG,
-                                  init_checkpoint=tmp_path / "hf")) == 1
+                                  init_checkpoint=tmp_path / "hf")) == ExitStatus.NO_RESTART
     assert one_error_line(capsys).endswith("is for another model config: hidden_size 64 there, 128 in --config_file")
 
 
@@ -108,7 +110,7 @@ def test_a_checkpoint_whose_head_has_another_number_of_labels_is_one_error_namin
     hidden = config.hidden_size
     for do_train in (True, False):
         assert run_glue.cli(glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, do_train=do_train,
-                                      init_checkpoint=tmp_path / "three_labels.pt")) == 1
+                                      init_checkpoint=tmp_path / "three_labels.pt")) == ExitStatus.NO_RESTART
         assert one_error_line(capsys) == (
             f"error: --init_checkpoint's task head does not fit this task's: classifier.weight [3, {hidden}] in the "
             f"checkpoint, [2, {hidden}] in the model (a head for another number of labels or outputs)")
@@ -127,7 +129,7 @@ def test_evaluation_of_a_checkpoint_without_the_head_is_refused_before_any_outpu
                   - BertForPreTraining(config).state_dict().keys())
     argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, init_checkpoint=tmp_path / "pretrained.pt",
                      do_train=False, **{"json-summary": tmp_path / "logs" / "dllogger.json"})
-    assert run_glue.cli(argv) == 1
+    assert run_glue.cli(argv) == ExitStatus.NO_RESTART
     assert one_error_line(capsys).startswith(f"error: --init_checkpoint has no task head ({', '.join(head)}): "
                                              "evaluation without --do_train needs fine-tuned weights")
     assert not (tmp_path / "out").exists() and not (tmp_path / "logs").exists()
@@ -139,7 +141,7 @@ def test_a_training_set_smaller_than_one_global_batch_is_refused_before_any_outp
     data = write_sst2_rule_task(tmp_path / "data", 40, 10)
     argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, train_batch_size=64,
                      gradient_accumulation_steps=2)
-    assert run_glue.cli(argv) == 1
+    assert run_glue.cli(argv) == ExitStatus.NO_RESTART
     assert one_error_line(capsys) == ("error: 40 training examples, fewer than one global batch of 64 (micro-batch 32 "
                                       "x 2 accumulation steps x 1 ranks): lower --train_batch_size")
     assert not (tmp_path / "out").exists()
@@ -148,7 +150,6 @@ def test_a_training_set_smaller_than_one_global_batch_is_refused_before_any_outp
 # ============================================================================ --train_batch_size, as NVIDIA's
 
 def batch_settings(train_batch_size, accumulation, world_size=1, deepspeed_config=None):
-    from finetune import finetuning
     config = finetuning.deepspeed_settings(deepspeed_config, train_batch_size, accumulation, world_size)
     return config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]
 
@@ -231,7 +232,7 @@ def test_a_contradicting_json_batch_stops_the_cli_before_training(tmp_path, caps
     ds.write_text(json.dumps(RECIPE_JSON))
     argv = glue_argv(data, tmp_path / "out", config_file=TINY_CONFIG, train_batch_size=None,
                      gradient_accumulation_steps=4, deepspeed=True, deepspeed_config=ds)
-    assert run_glue.cli(argv) == 1
+    assert run_glue.cli(argv) == ExitStatus.NO_RESTART
     assert one_error_line(capsys) == (
         f"error: train_batch_size 64 in {ds} contradicts micro-batch 32 (train_micro_batch_size_per_gpu in {ds}) x 4 "
         f"accumulation step(s) (--gradient_accumulation_steps) x 1 process(es) = 128 sequences per optimizer step: "
@@ -307,8 +308,9 @@ def test_with_shuffled_labels_the_same_run_stays_at_chance(tmp_path, pretrained_
 # ============================================================================ stop and resume
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, capsys):
-    """Stopped by SIGTERM in step 3, then resumed: the same final weights as the uninterrupted run, and its
-    dllogger file holds the same step records (the resumed run adds to it)."""
+    """Stopped by SIGTERM in step 3 (exit status 3, STOPPED, after saving checkpoint 3), then resumed: the same
+    final weights as the uninterrupted run, and its dllogger file holds the same step records (the resumed run
+    adds to it)."""
     data = write_sst2_rule_task(tmp_path / "data", 96, 32)
     common = dict(config_file=TINY_CONFIG, max_steps=6, do_eval=False, max_seq_length=32, log_freq=1)
     run_glue.main(glue_argv(data, tmp_path / "straight", **common))
@@ -323,8 +325,11 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_
             return loss(model, batch)
         return loss_then_sigterm
 
+    # main, not cli(): cli's exit-time destroy_process_group would spoil later in-process runs. cli's status is
+    # exit_status_of(main's summary) (training/command_line.run_cli).
     stopped = run_glue.main(glue_argv(data, tmp_path / "resumed", **common), make_loss=loss_function_with_sigterm)
     assert stopped["stopped_by_signal"] and stopped["global_step"] == 3
+    assert run_status.exit_status_of(stopped) == ExitStatus.STOPPED
     assert checkpointing.find_resume_tag(tmp_path / "resumed" / "checkpoints") == "3"
     capsys.readouterr()
     resumed = run_glue.main(glue_argv(data, tmp_path / "resumed", resume_from_checkpoint=True, **common))
@@ -359,7 +364,7 @@ def test_a_resume_with_another_training_setup_is_one_error_line(tmp_path, capsys
     for changed, expected in refusals:
         flags = {**common, **changed}
         argv = glue_argv(flags.pop("data_dir", data), tmp_path / "out", resume_from_checkpoint=True, **flags)
-        assert run_glue.cli(argv) == 1, changed
+        assert run_glue.cli(argv) == ExitStatus.NO_RESTART, changed
         line = one_error_line(capsys)
         assert line.startswith(f"error: checkpoint 3 in {tmp_path / 'out' / 'checkpoints'} was saved with another "
                                "training setup: ") and expected in line, (changed, line)
@@ -492,7 +497,6 @@ def test_a_labelled_test_set_is_scored_with_its_predictions(tmp_path):
 # ============================================================================ NVIDIA's flags
 
 def test_nvidias_glue_flags_that_mean_nothing_here_are_accepted_and_fp16_is_refused(tmp_path, capsys):
-    from finetune import finetuning
     ours = ["--task_name", "mrpc", "--data_dir", "D", "--vocab_file", "V", "--output_dir", "O", "--do_train"]
     nvidia = ["--bert_model", "bert-large-uncased", "--server_ip", "", "--server_port", "", "--loss_scale", "0"]
     with_nvidia = vars(finetuning.parse_arguments(run_glue.build_parser(), ours + nvidia))
@@ -500,6 +504,7 @@ def test_nvidias_glue_flags_that_mean_nothing_here_are_accepted_and_fp16_is_refu
     ignored = {"bert_model", "server_ip", "server_port", "loss_scale"}
     assert {k: v for k, v in with_nvidia.items() if k not in ignored} == \
         {k: v for k, v in without.items() if k not in ignored}
-    assert run_glue.cli(ours[:-3] + ["--output_dir", str(tmp_path / "out"), "--do_train", "--fp16"] + nvidia) == 1
+    fp16 = ours[:-3] + ["--output_dir", str(tmp_path / "out"), "--do_train", "--fp16"] + nvidia
+    assert run_glue.cli(fp16) == ExitStatus.NO_RESTART
     assert one_error_line(capsys) == ("error: --fp16 (NVIDIA's apex fp16) is not supported: for mixed precision set "
                                       "\"bf16\": {\"enabled\": true} in the --deepspeed_config JSON")

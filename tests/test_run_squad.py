@@ -1,4 +1,4 @@
-"""run_squad.py: bad input is one error line and exit 1 before any work; a short real run writes the
+"""run_squad.py: bad input is one error line and exit 2 (NO_RESTART) before any work; a short real run writes the
 official output files and the dllogger keys."""
 import json
 import random
@@ -7,8 +7,10 @@ import pytest
 
 import helpers
 import run_squad
+from common.errors import NO_RESTART_MARK
 from data.squad_sample import sample_sentences, word_questions, write_squad
 from finetune_helpers import REPO_ROOT, TINY_CONFIG, assert_same_training, dropout_free_config, run_on_one_and_two_ranks
+from training.run_status import ExitStatus
 
 VOCAB = REPO_ROOT / "data" / "vocab.txt"
 
@@ -39,10 +41,11 @@ def squad_argv(output_dir, **flags):
 
 
 def one_error_line(capfd, status):
+    """The one error line, without the NO_RESTART_MARK that ends it (bad input is final)."""
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert status == 1 and len(lines) == 1, err
-    return lines[0]
+    assert status == ExitStatus.NO_RESTART and len(lines) == 1 and lines[0].endswith(NO_RESTART_MARK), err
+    return lines[0].removesuffix(NO_RESTART_MARK)
 
 
 def test_malformed_json_is_one_line(tmp_path, capfd):
