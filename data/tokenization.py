@@ -42,3 +42,11 @@ def load_tokenizer(vocab_file: str | os.PathLike[str], do_lower_case: bool,
     if missing:
         raise InputError(f"vocab file {vocab_file} lacks {', '.join(missing)}")
     return tokenizer, tokenizer.get_vocab_size(), special
+
+
+def special_token_id(tokenizer: "Tokenizer", token: str) -> int:
+    """The id of a special token (one of SPECIAL_TOKENS, which load_tokenizer checks the vocab has)."""
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise InputError(f"the vocab lacks {token}")
+    return token_id

@@ -13,14 +13,20 @@ the scores.
 """
 
 import csv
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from common.errors import InputError
+from data.tokenization import special_token_id
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -35,21 +41,22 @@ class Split:
 @dataclass(frozen=True)
 class Task:
     name: str
-    labels: tuple | None  # None: regression (a float label)
-    metrics: tuple        # glue_metrics names
+    labels: tuple[str, ...] | None  # None: regression (a float label)
+    metrics: tuple[str, ...]        # glue_metrics names
     train: Split
-    dev: dict             # evaluation set name -> Split (MNLI: matched and mismatched)
-    test: dict            # test set name -> Split
+    dev: dict[str, Split]           # evaluation set name -> Split (MNLI: matched and mismatched)
+    test: dict[str, Split]          # test set name -> Split
 
     @property
     def num_labels(self) -> int:
         return 1 if self.labels is None else len(self.labels)
 
-    def splits(self) -> dict:
+    def splits(self) -> dict[str, Split]:
         return {"train": self.train, **self.dev, **{f"test_{name}": split for name, split in self.test.items()}}
 
 
-def _pair_task(name, labels, metrics, columns, test_columns, label=-1, header=True):
+def _pair_task(name: str, labels: tuple[str, ...] | None, metrics: tuple[str, ...], columns: tuple[int, int],
+               test_columns: tuple[int, int], label: int = -1, header: bool = True) -> Task:
     a, b = columns
     return Task(name, labels, metrics, Split("train.tsv", header, a, b, label),
                 {name: Split("dev.tsv", header, a, b, label)},
@@ -93,10 +100,10 @@ class Example:
     guid: str
     text_a: str
     text_b: str | None
-    label: object  # the label's index (classification), its float value (regression), None (test)
+    label: int | float | None  # the label's index (classification), its float value (regression), None (test)
 
 
-def read_examples(task: Task, data_dir, split_name: str) -> list:
+def read_examples(task: Task, data_dir: str | os.PathLike[str], split_name: str) -> list[Example]:
     """The examples of one split ("train", an evaluation set name of task.dev, or "test_<name>")."""
     split = task.splits()[split_name]
     path = Path(data_dir) / split.file
@@ -123,7 +130,7 @@ def read_examples(task: Task, data_dir, split_name: str) -> list:
     return examples
 
 
-def parse_label(task: Task, text: str, path, line_number: int):
+def parse_label(task: Task, text: str, path: Path, line_number: int) -> int | float:
     if task.labels is None:
         try:
             return float(text)
@@ -136,13 +143,14 @@ def parse_label(task: Task, text: str, path, line_number: int):
     return task.labels.index(text)
 
 
-def convert_examples_to_features(examples: list, task: Task, tokenizer, max_seq_length: int) -> dict:
+def convert_examples_to_features(examples: list[Example], task: Task, tokenizer: "Tokenizer",
+                                 max_seq_length: int) -> dict[str, torch.Tensor]:
     """[CLS] A [SEP] (B [SEP]) as BERT: the longer side is cut first until the pair fits; segment 0 for
     [CLS] A [SEP], 1 for B [SEP]; zero padding. Returns int64 tensors input_ids, token_type_ids,
     attention_mask [N, max_seq_length] and labels [N] (float32 for regression; absent for test sets)."""
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    cls_id, sep_id = special_token_id(tokenizer, "[CLS]"), special_token_id(tokenizer, "[SEP]")
 
-    def encode(texts):
+    def encode(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     tokens_a = encode([example.text_a for example in examples])
@@ -163,7 +171,7 @@ def convert_examples_to_features(examples: list, task: Task, tokenizer, max_seq_
     return features
 
 
-def truncate_pair(a: list, b: list, budget: int) -> tuple:
+def truncate_pair(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
     """Drop tokens from the end of the longer sequence (B on ties, as BERT) until len(a) + len(b) <= budget."""
     a, b = list(a), list(b)
     while len(a) + len(b) > budget:

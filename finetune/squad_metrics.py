@@ -26,6 +26,11 @@ import json
 import re
 import string
 import sys
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+# A parsed SQuAD file or one of its question dicts: JSON, as json.load gives it.
+SquadJson: TypeAlias = dict[str, Any]
 
 PUNCTUATION = frozenset(string.punctuation)
 ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -52,37 +57,39 @@ def f1_score(prediction: str, gold: str, v2_rules: bool = True) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def gold_answers(qa) -> list:
+def gold_answers(qa: SquadJson) -> list[str]:
     """The gold texts of a question; [""] when it has none that survives normalisation (unanswerable)."""
     texts = [answer["text"] for answer in qa.get("answers", []) if normalize_answer(answer["text"])]
     return texts or [""]
 
 
-def all_questions(dataset_json):
+def all_questions(dataset_json: SquadJson) -> list[SquadJson]:
     """The question dicts of a parsed SQuAD file, in file order."""
     return [qa for article in dataset_json["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
 
 
-def read_questions(dataset_json, v2_rules=True) -> dict:
+def read_questions(dataset_json: SquadJson, v2_rules: bool = True) -> dict[str, list[str]]:
     """{question id: gold answer texts} of a parsed SQuAD file, in file order (v1.1: every gold text)."""
     return {str(qa["id"]): gold_answers(qa) if v2_rules else [answer["text"] for answer in qa["answers"]]
             for qa in all_questions(dataset_json)}
 
 
-def has_answers(dataset_json) -> dict:
+def has_answers(dataset_json: SquadJson) -> dict[str, bool]:
     """{question id: HasAns}, from the raw answer list as the v2.0 script decides it (not after normalisation)."""
     return {str(qa["id"]): bool(qa.get("answers")) for qa in all_questions(dataset_json)}
 
 
-def is_version_2(dataset_json) -> bool:
+def is_version_2(dataset_json: SquadJson) -> bool:
     """A v2.0 file says so in "version" or has unanswerable questions."""
     return str(dataset_json.get("version", "")).lstrip("v").startswith("2") or any(
         qa.get("is_impossible") or not qa.get("answers") for qa in all_questions(dataset_json))
 
 
-def raw_scores(questions: dict, predictions: dict, v2_rules=True):
+def raw_scores(questions: dict[str, list[str]], predictions: dict[str, str],
+               v2_rules: bool = True) -> tuple[dict[str, float], dict[str, float]]:
     """{id: exact}, {id: f1}: the best over each question's gold answers (0 for a missing prediction)."""
-    exact, f1 = {}, {}
+    exact: dict[str, float] = {}
+    f1: dict[str, float] = {}
     for qid, golds in questions.items():
         prediction = predictions.get(qid)
         if prediction is None:
@@ -93,19 +100,21 @@ def raw_scores(questions: dict, predictions: dict, v2_rules=True):
     return exact, f1
 
 
-def apply_no_answer_threshold(scores: dict, na_probs: dict, has_answer: dict, threshold: float) -> dict:
+def apply_no_answer_threshold(scores: dict[str, float], na_probs: dict[str, float], has_answer: dict[str, bool],
+                              threshold: float) -> dict[str, float]:
     """A question whose no-answer probability exceeds threshold counts as answered "": right only when it
     has no answer."""
     return {qid: float(not has_answer[qid]) if na_probs.get(qid, 0.0) > threshold else score
             for qid, score in scores.items()}
 
 
-def best_threshold(predictions, scores, na_probs, has_answer):
+def best_threshold(predictions: dict[str, str], scores: dict[str, float], na_probs: dict[str, float],
+                   has_answer: dict[str, bool]) -> tuple[float, float]:
     """(best score in %, its threshold) when every question whose no-answer probability exceeds the threshold
     is answered "": the v2.0 script's sweep by rising probability from "all answered empty". Like it, this
     takes only the questions of the probability file, equal probabilities one at a time in that file's order
     (a stable sort), and keeps a new best after any question, also inside a run of equal probabilities."""
-    score = best = sum(not has for has in has_answer.values())
+    score = best = float(sum(not has for has in has_answer.values()))
     threshold = 0.0
     for qid in sorted(na_probs, key=lambda q: na_probs[q]):
         if qid not in scores:
@@ -119,13 +128,14 @@ def best_threshold(predictions, scores, na_probs, has_answer):
     return 100.0 * best / len(scores), threshold
 
 
-def _summary(exact, f1, qids, prefix=""):
+def _summary(exact: dict[str, float], f1: dict[str, float], qids: Sequence[str], prefix: str = "") -> dict[str, float]:
     total = len(qids)
     return {f"{prefix}exact": 100.0 * sum(exact[q] for q in qids) / total,
             f"{prefix}f1": 100.0 * sum(f1[q] for q in qids) / total, f"{prefix}total": total}
 
 
-def evaluate(dataset_json, predictions: dict, na_probs=None, na_prob_thresh=1.0, v2_rules: bool | None = None) -> dict:
+def evaluate(dataset_json: SquadJson, predictions: dict[str, str], na_probs: dict[str, float] | None = None,
+             na_prob_thresh: float = 1.0, v2_rules: bool | None = None) -> dict[str, float]:
     """The official scripts' figures (see the module docstring) for a parsed dataset and {id: text}. v2_rules:
     which script's rules (and keys) apply; None: as the file says (its "version", or a question without
     answers) or as na_probs implies. run_squad.py passes its --version_2_with_negative."""
@@ -150,7 +160,7 @@ def evaluate(dataset_json, predictions: dict, na_probs=None, na_prob_thresh=1.0,
     return result
 
 
-def _read_json(path, what):
+def _read_json(path: str, what: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -160,7 +170,7 @@ def _read_json(path, what):
         raise ValueError(f"{path}: malformed JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="SQuAD v1.1/v2.0 evaluation (official rules).")
     parser.add_argument("data_file", help="the SQuAD JSON with the gold answers")
     parser.add_argument("pred_file", help="predictions.json: {question id: answer text}")
