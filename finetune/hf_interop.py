@@ -27,9 +27,12 @@ transformers is never imported here; safetensors and tokenizers are.
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -37,6 +40,11 @@ from common.atomic_write import atomic_path, write_text_atomically
 from common.errors import InputError, one_line
 from modeling import LAYER_NORM_EPS, TRANSFORMERS_ONLY_KEYS, BertConfig
 from training import checkpoint_export
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+StateDict: TypeAlias = dict[str, torch.Tensor]
 
 # The pre-LN export's weights, transformers' name for the variant "pre_ln" (hf_modeling_pre_ln.WEIGHTS_VARIANT).
 PRE_LN_WEIGHT_FILE = "model.pre_ln.safetensors"
@@ -58,7 +66,7 @@ LEGACY_NAME_PARTS = ((".gamma", ".weight"), (".beta", ".bias"))
 
 # ============================================================================ config mapping
 
-def to_transformers_config(config: BertConfig, vocab_size: int | None = None) -> dict:
+def to_transformers_config(config: BertConfig, vocab_size: int | None = None) -> dict[str, Any]:
     """The transformers.BertConfig keyword arguments (and config.json keys) of a post-LN BertConfig (vocab_size: the
     rows the weights have; default the padded size, as our modules have)."""
     if config.layer_norm_large_model:
@@ -73,7 +81,7 @@ def to_transformers_config(config: BertConfig, vocab_size: int | None = None) ->
             "position_embedding_type": "absolute", "pad_token_id": 0}
 
 
-def from_transformers_config(values: dict, where) -> BertConfig:
+def from_transformers_config(values: object, where: str | os.PathLike[str]) -> BertConfig:
     """A BertConfig from a Hugging Face config.json (model_type "bert"), our pre-LN export's among them."""
     if not isinstance(values, dict):
         raise InputError(f"{where}: a model config must be a JSON object")
@@ -99,7 +107,7 @@ def from_transformers_config(values: dict, where) -> BertConfig:
 
 # ============================================================================ key fix-ups
 
-def fix_state_dict(state: dict, config: BertConfig) -> dict:
+def fix_state_dict(state: StateDict, config: BertConfig) -> StateDict:
     """Hugging Face names and shapes -> ours: legacy gamma/beta names, a bare BertModel's keys without
     "bert.", the duplicated decoder bias and older transformers' position_ids buffer dropped, the tied decoder
     weight restored, vocabulary rows padded to config.padded_vocab_size."""
@@ -117,14 +125,14 @@ def fix_state_dict(state: dict, config: BertConfig) -> dict:
         # transformers' save_pretrained stores the tied decoder weight once, as the word embedding
         fixed["cls.predictions.decoder.weight"] = fixed["bert.embeddings.word_embeddings.weight"]
     for key in PADDED_ROWS + PADDED_BIAS:
-        value = fixed.get(key)
-        if value is not None and value.shape[0] == config.vocab_size < config.padded_vocab_size:
-            padding = value.new_zeros((config.padded_vocab_size - value.shape[0],) + tuple(value.shape[1:]))
-            fixed[key] = torch.cat([value, padding])
+        rows = fixed.get(key)
+        if rows is not None and rows.shape[0] == config.vocab_size < config.padded_vocab_size:
+            padding = rows.new_zeros((config.padded_vocab_size - rows.shape[0],) + tuple(rows.shape[1:]))
+            fixed[key] = torch.cat([rows, padding])
     return fixed
 
 
-def unpadded_state_dict(state: dict, config: BertConfig) -> dict:
+def unpadded_state_dict(state: StateDict, config: BertConfig) -> StateDict:
     """Ours -> Hugging Face's shapes: vocabulary rows cut to config.vocab_size; the decoder's weight and
     bias written under both names, as transformers saves them (safetensors keeps no shared tensors)."""
     out = {key: value.detach().float().contiguous() for key, value in state.items()}
@@ -138,13 +146,13 @@ def unpadded_state_dict(state: dict, config: BertConfig) -> dict:
 
 # ============================================================================ reading
 
-def is_hf_directory(path) -> bool:
+def is_hf_directory(path: str | os.PathLike[str]) -> bool:
     path = Path(path)
     return (path / "config.json").is_file() and any((path / name).is_file()
                                                     for name in HF_WEIGHT_FILES + HF_INDEX_FILES)
 
 
-def read_hf_directory(path) -> tuple:
+def read_hf_directory(path: str | os.PathLike[str]) -> tuple[BertConfig, StateDict]:
     """(BertConfig, state dict in our names and shapes) of a Hugging Face BERT directory (or of our own
     pre-LN export)."""
     path = Path(path)
@@ -161,7 +169,7 @@ def read_hf_directory(path) -> tuple:
     return config, fix_state_dict(state, config)
 
 
-def read_sharded_state_dict(index: Path, flag: str) -> dict:
+def read_sharded_state_dict(index: Path, flag: str) -> StateDict:
     """The state dict of a sharded Hugging Face save: index's weight_map {key: shard file name}, every key
     read from the shard it names."""
     try:
@@ -171,7 +179,8 @@ def read_sharded_state_dict(index: Path, flag: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise InputError(f"{flag}: {index}: {one_line(err) if not isinstance(err, KeyError) else 'no weight_map'}") \
             from err
-    state, absent = {}, []
+    state: StateDict = {}
+    absent: list[str] = []
     for name in sorted(set(weight_map.values())):
         shard = index.parent / name
         if Path(name).name != name or not shard.is_file():
@@ -187,7 +196,8 @@ def read_sharded_state_dict(index: Path, flag: str) -> dict:
 
 # ============================================================================ export
 
-def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case: bool, output_dir) -> bool:
+def export_directory(state: StateDict, config: BertConfig, vocab_file: str | os.PathLike[str], do_lower_case: bool,
+                     output_dir: str | os.PathLike[str]) -> bool:
     """Write the directory (atomically: it appears complete or not at all). Returns True when transformers
     can load it with its own BertForPreTraining (post-LN), False for the pre-LN format (remote code)."""
     from safetensors.torch import save_file
@@ -218,7 +228,7 @@ def export_directory(state: dict, config: BertConfig, vocab_file, do_lower_case:
     return not config.layer_norm_large_model
 
 
-def pre_ln_transformers_config(config: BertConfig) -> dict:
+def pre_ln_transformers_config(config: BertConfig) -> dict[str, Any]:
     """config.json of a pre-LN export: our BertConfig, plus what transformers needs to build
     hf_modeling_pre_ln.py's classes."""
     module = PRE_LN_MODELING_FILE.stem
@@ -226,11 +236,14 @@ def pre_ln_transformers_config(config: BertConfig) -> dict:
             "auto_map": {auto: f"{module}.{name}" for auto, name in PRE_LN_AUTO_MAP.items()}, **config.to_dict()}
 
 
-def write_tokenizer_files(tokenizer, vocab_file, do_lower_case: bool, config: BertConfig, directory: Path):
+def write_tokenizer_files(tokenizer: "Tokenizer", vocab_file: str | os.PathLike[str], do_lower_case: bool,
+                          config: BertConfig, directory: Path) -> None:
     from tokenizers import decoders, processors
 
+    from data.tokenization import special_token_id
+
     shutil.copyfile(vocab_file, directory / "vocab.txt")
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    cls_id, sep_id = special_token_id(tokenizer, "[CLS]"), special_token_id(tokenizer, "[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
@@ -251,7 +264,8 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atte
                      "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_large_model")
 
 
-def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkpoint") -> tuple:
+def read_pretrained_weights(source: str | os.PathLike[str], config_file: str | os.PathLike[str] | None = None,
+                            flag: str = "--init_checkpoint") -> tuple[BertConfig, StateDict]:
     """(BertConfig, weights in our names and shapes) from a run_pretraining.py output or tag directory (any
     ZeRO stage and world size, consolidated), a Hugging Face directory, or a state-dict file (the export of
     training/checkpoint_export.py; it records no config, so config_file is needed). With config_file, the model is that
@@ -259,7 +273,7 @@ def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkp
     from training import checkpointing
 
     source = Path(source)
-    recorded, weights = None, None
+    recorded: BertConfig | None = None
     if not source.exists():
         raise InputError(f"{flag} {source} does not exist")
     if is_hf_directory(source):
@@ -285,29 +299,30 @@ def read_pretrained_weights(source, config_file=None, flag: str = "--init_checkp
     return config, fix_state_dict(weights, config)
 
 
-def read_config_file(path) -> BertConfig:
+def read_config_file(path: str | os.PathLike[str]) -> BertConfig:
     try:
         return BertConfig.from_json_file(path)
     except (OSError, ValueError) as err:
         raise InputError(f"--config_file {path}: {one_line(err)}") from err
 
 
-def read_state_dict_file(path: Path, flag: str) -> dict:
+def read_state_dict_file(path: Path, flag: str) -> StateDict:
+    loaded: object  # checked below
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
-            state = load_file(str(path))
+            loaded = load_file(str(path))
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors raises its own SafetensorError, torch several kinds
         raise InputError(f"{flag}: cannot read {path} ({one_line(err)})") from err
-    state = state.get("module", state) if isinstance(state, dict) else state
+    state = loaded.get("module", loaded) if isinstance(loaded, dict) else loaded
     if not isinstance(state, dict) or not all(torch.is_tensor(value) for value in state.values()):
         raise InputError(f"{flag}: {path} holds no state dict")
     return state
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Export BERT weights as a Hugging Face directory.")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export", help="checkpoint -> config.json, model.safetensors, tokenizer files")
