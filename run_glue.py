@@ -17,23 +17,34 @@ Outputs in --output_dir: eval_results.json ({evaluation set: {metric: value}}), 
 (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
 """
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from common.errors import InputError
 from finetune import finetuning, glue_metrics
-from finetune.glue import TASKS, convert_examples_to_features, read_examples
-from modeling import BertForSequenceClassification
+from finetune.glue import TASKS, Example, Task, convert_examples_to_features, read_examples
+from modeling import BertConfig, BertForSequenceClassification
 from training import distributed
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from tokenizers import Tokenizer
 
-def build_parser():
+# split name -> (its examples, their features)
+TaskData: TypeAlias = dict[str, tuple[list[Example], finetuning.Features]]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser, groups = finetuning.build_parser(
         "Fine-tune BERT on a GLUE task (NVIDIA run_glue.py flags) with DeepSpeed.",
         "%(prog)s --task_name TASK --data_dir DIR --vocab_file TXT --output_dir DIR --do_train|--do_eval|"
@@ -59,7 +70,7 @@ class GlueConfig(finetuning.Config):
     eval_batch_size: int
 
 
-def check_flags(config: GlueConfig, model_config) -> None:
+def check_flags(config: GlueConfig, model_config: BertConfig) -> None:
     if not 3 <= config.max_seq_length <= model_config.max_position_embeddings:
         raise InputError(f"--max_seq_length must be in [3, {model_config.max_position_embeddings}] (the model's "
                          f"max_position_embeddings), got {config.max_seq_length}")
@@ -69,28 +80,29 @@ def check_flags(config: GlueConfig, model_config) -> None:
         raise InputError(f"--data_dir {config.data_dir} is not a directory")
 
 
-def split_names(task, train: bool, evaluate: bool, predict: bool) -> list:
+def split_names(task: Task, train: bool, evaluate: bool, predict: bool) -> list[str]:
     """The splits a run reads: "train", the task's dev sets (--do_eval), "test_<name>" of its test sets
     (--do_predict)."""
     return (["train"] if train else []) + (list(task.dev) if evaluate else []) \
         + ([f"test_{name}" for name in task.test] if predict else [])
 
 
-def read_task_data(task, data_dir: str, names: list, tokenizer, max_seq_length: int) -> dict:
+def read_task_data(task: Task, data_dir: str, names: list[str], tokenizer: "Tokenizer",
+                   max_seq_length: int) -> TaskData:
     """{split name: (examples, features)} of the splits `names` in data_dir: read before any work."""
-    data = {}
+    data: TaskData = {}
     for name in names:
         examples = read_examples(task, data_dir, name)
         data[name] = examples, convert_examples_to_features(examples, task, tokenizer, max_seq_length)
     return data
 
 
-def logits_of(model, batch):
+def logits_of(model: torch.nn.Module, batch: finetuning.Features) -> torch.Tensor:
     return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])[0]
 
 
-def loss_function(task):
-    def loss(model, batch):
+def loss_function(task: Task) -> finetuning.LossFn:
+    def loss(model: "DeepSpeedEngine", batch: finetuning.Features) -> torch.Tensor:
         logits = logits_of(model, batch).float()
         if task.labels is None:
             return F.mse_loss(logits.squeeze(-1), batch["labels"])
@@ -98,15 +110,16 @@ def loss_function(task):
     return loss
 
 
-def predictions_from(task, logits: torch.Tensor):
+def predictions_from(task: Task, logits: torch.Tensor) -> np.ndarray:
     return logits.squeeze(-1).numpy() if task.labels is None else logits.argmax(-1).numpy()
 
 
-def label_text(task, prediction) -> str:
+def label_text(task: Task, prediction: float) -> str:
     return f"{float(prediction):.3f}" if task.labels is None else task.labels[int(prediction)]
 
 
-def evaluate(session, model, task, data, batch_size: int) -> dict:
+def evaluate(session: finetuning.Session, model: BertForSequenceClassification, task: Task, data: TaskData,
+             batch_size: int) -> dict[str, Any]:
     """Metrics and predictions of every evaluation/test set in `data`, batch_size (--eval_batch_size) rows per
     device at a time; rank 0 writes the files in the session's output directory."""
     output_dir, results, timing = session.output_dir, {}, {"time": 0.0, "rows": 0}
@@ -140,7 +153,8 @@ def evaluate(session, model, task, data, batch_size: int) -> dict:
     return summary
 
 
-def main(argv=None, *, make_loss=loss_function, job: distributed.Job | None = None) -> dict:
+def main(argv: Sequence[str] | None = None, *, make_loss: Callable[[Task], finetuning.LossFn] = loss_function,
+         job: distributed.Job | None = None) -> dict[str, Any]:
     """Fine-tune and/or evaluate; returns the summary (also logged). make_loss(task) -> loss(model, batch)
     (default loss_function) is there for tests: a loss that sends SIGTERM during a chosen step. job: run_cli's
     (training/distributed.py; default: a new one)."""
@@ -151,7 +165,7 @@ def main(argv=None, *, make_loss=loss_function, job: distributed.Job | None = No
     check_flags(config, model_config)
     data = read_task_data(task, config.data_dir, split_names(task, config.do_train, config.do_eval,
                                                              config.do_predict), tokenizer, config.max_seq_length)
-    def make_model(model_config):
+    def make_model(model_config: BertConfig) -> BertForSequenceClassification:
         return BertForSequenceClassification(model_config, task.num_labels)
 
     finetuning.check_weights(make_model, model_config, weights, fine_tune=config.do_train)
@@ -164,7 +178,7 @@ def main(argv=None, *, make_loss=loss_function, job: distributed.Job | None = No
         if config.do_eval or config.do_predict else None)
 
 
-def cli(argv=None) -> int:
+def cli(argv: Sequence[str] | None = None) -> int:
     return finetuning.run_cli(main, argv)
 
 

@@ -18,21 +18,32 @@ finetune/squad_metrics.py) and the dllogger keys exact_match and F1 (v2.0: also 
 checkpoints/ (the fine-tuned weights, unless --skip_checkpoint) and dllogger.json.
 """
 
+import argparse
 import functools
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from common.atomic_write import write_text_atomically
 from common.errors import InputError
 from finetune import finetuning, squad, squad_metrics
-from modeling import BertForQuestionAnswering
+from modeling import BertConfig, BertForQuestionAnswering
 from training import distributed
 
+if TYPE_CHECKING:
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from tokenizers import Tokenizer
 
-def build_parser():
+# "train" / "predict" -> (its examples, their features)
+TaskData: TypeAlias = dict[str, tuple[list[squad.SquadExample], squad.SquadFeatures]]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser, groups = finetuning.build_parser(
         "Fine-tune BERT on SQuAD v1.1/v2.0 (NVIDIA run_squad.py flags) with DeepSpeed.",
         "%(prog)s --vocab_file TXT --output_dir DIR --do_train|--do_eval|--do_predict [flags]")
@@ -77,7 +88,7 @@ class SquadConfig(finetuning.Config):
     null_score_diff_threshold: float
 
 
-def check_flags(config: SquadConfig, model_config) -> None:
+def check_flags(config: SquadConfig, model_config: BertConfig) -> None:
     if config.do_train and not config.train_file:
         raise InputError("--do_train needs --train_file")
     if (config.do_predict or config.do_eval) and not config.predict_file:
@@ -91,13 +102,14 @@ def check_flags(config: SquadConfig, model_config) -> None:
             raise InputError(f"--{name} must be at least 1, got {getattr(config, name)}")
 
 
-def read_task_data(tokenizer, train_file: str | None, predict_file: str | None, *, scored: bool,
-                   version_2_with_negative: bool, max_seq_length: int, doc_stride: int, max_query_length: int) -> dict:
+def read_task_data(tokenizer: "Tokenizer", train_file: str | None, predict_file: str | None, *, scored: bool,
+                   version_2_with_negative: bool, max_seq_length: int, doc_stride: int,
+                   max_query_length: int) -> TaskData:
     """{"train"/"predict": (examples, features)} of what this run needs: read before any work. train_file /
     predict_file: None when the run does not train / predict. scored (--do_eval): every question of
     predict_file must have answers. The windows: --max_seq_length, --doc_stride, --max_query_length."""
-    tokenizer = squad.SquadTokenizer(tokenizer)
-    data = {}
+    squad_tokenizer = squad.SquadTokenizer(tokenizer)
+    data: TaskData = {}
     for name, path in (("train", train_file), ("predict", predict_file)):
         if path is None:
             continue
@@ -107,35 +119,36 @@ def read_task_data(tokenizer, train_file: str | None, predict_file: str | None, 
             if unscored:
                 raise InputError(f"--do_eval: {path} has no answers for {len(unscored)} question(s) "
                                  f"(first: id {unscored[0]}); use --do_predict alone for unanswered files")
-        features = squad.convert_examples_to_features(examples, tokenizer, max_seq_length, doc_stride,
+        features = squad.convert_examples_to_features(examples, squad_tokenizer, max_seq_length, doc_stride,
                                                       max_query_length, is_training=name == "train")
         data[name] = examples, features
     return data
 
 
-def tensors(features, training: bool) -> dict:
+def tensors(features: squad.SquadFeatures, training: bool) -> finetuning.Features:
     import torch
     names = ["input_ids", "token_type_ids", "attention_mask"] + (["start_positions", "end_positions"] if training
                                                                   else [])
     return {name: torch.from_numpy(getattr(features, name)) for name in names}
 
 
-def span_loss(model, batch):
+def span_loss(model: "DeepSpeedEngine", batch: finetuning.Features) -> "torch.Tensor":
     return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["start_positions"],
                  batch["end_positions"])[0]
 
 
-def span_logits(model, batch):
+def span_logits(model: "torch.nn.Module", batch: finetuning.Features) -> tuple["torch.Tensor", "torch.Tensor"]:
     return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
 
 
-def write_json(path, value) -> None:
+def write_json(path: Path, value: object) -> None:
     write_text_atomically(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
-def predict_and_evaluate(session, model, examples, features, *, batch_size: int, n_best_size: int,
-                         max_answer_length: int, version_2_with_negative: bool, null_score_diff_threshold: float,
-                         answers_file: str | None) -> dict:
+def predict_and_evaluate(session: finetuning.Session, model: BertForQuestionAnswering,
+                         examples: list[squad.SquadExample], features: squad.SquadFeatures, *, batch_size: int,
+                         n_best_size: int, max_answer_length: int, version_2_with_negative: bool,
+                         null_score_diff_threshold: float, answers_file: str | None) -> dict[str, Any]:
     """Predictions of --predict_file's examples and features (rank 0 writes the files in the session's output
     directory) and, when answers_file is given (--do_eval: --predict_file), their scores against its answers.
     batch_size: --predict_batch_size; the others are the SQuAD flags of the same names."""
@@ -161,8 +174,8 @@ def predict_and_evaluate(session, model, examples, features, *, batch_size: int,
     return summary
 
 
-def score(result, predict_file: str, output_dir: Path, version_2_with_negative: bool,
-          null_score_diff_threshold: float) -> dict:
+def score(result: squad.SquadPredictions, predict_file: str, output_dir: Path, version_2_with_negative: bool,
+          null_score_diff_threshold: float) -> dict[str, float]:
     """The official scripts' figures (eval_results.json in output_dir) of result's answers to predict_file, and
     NVIDIA's dllogger names for the main two."""
     dataset = squad.load_json(predict_file)
@@ -178,7 +191,7 @@ def score(result, predict_file: str, output_dir: Path, version_2_with_negative: 
     return {"exact_match": exact, "F1": figures.pop("f1"), **figures}
 
 
-def main(argv=None, *, job: distributed.Job | None = None) -> dict:
+def main(argv: Sequence[str] | None = None, *, job: distributed.Job | None = None) -> dict[str, Any]:
     """Fine-tune and/or predict; returns the summary (also logged). job: run_cli's (training/distributed.py;
     default: a new one)."""
     config = finetuning.build_config(finetuning.parse_arguments(build_parser(), argv), SquadConfig)
@@ -208,7 +221,7 @@ def main(argv=None, *, job: distributed.Job | None = None) -> dict:
         session, model, tensors(data["train"][1], training=True) if "train" in data else None, span_loss, predict)
 
 
-def cli(argv=None) -> int:
+def cli(argv: Sequence[str] | None = None) -> int:
     return finetuning.run_cli(main, argv)
 
 

@@ -42,18 +42,21 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from common import deepspeed_config, storage
 from common.errors import InputError
-from finetune.hf_interop import read_config_file, read_pretrained_weights
-from modeling import BertConfig, BertForQuestionAnswering, BertForTokenClassification
+from finetune.hf_interop import StateDict, read_config_file, read_pretrained_weights
+from modeling import BertConfig, BertForQuestionAnswering, BertForTokenClassification, BertPreTrainedModel
 from optimization import get_parameter_groups
 from schedulers import LinearWarmUpScheduler
 from training import (
@@ -71,6 +74,20 @@ from training import (
     schedule_resume,
 )
 
+if TYPE_CHECKING:  # deepspeed is imported only after device_setup.choose_accelerator has picked the device
+    import dllogger
+    from deepspeed import DeepSpeedEngine
+    from tokenizers import Tokenizer
+
+# A task's tensors: name -> [N, ...], all of the same N (a batch: the same names, B rows, on the device).
+Features: TypeAlias = dict[str, torch.Tensor]
+# loss_fn(engine, batch) -> scalar loss; the DeepSpeed engine is called like the model.
+LossFn: TypeAlias = Callable[["DeepSpeedEngine", Features], torch.Tensor]
+# forward_fn(model, batch) -> a tensor or a tuple of tensors [B, ...].
+ForwardFn: TypeAlias = Callable[[nn.Module, Features], torch.Tensor | tuple[torch.Tensor, ...]]
+Model = TypeVar("Model", bound=BertPreTrainedModel)
+Settings = TypeVar("Settings", bound="Config")  # an entry point's Config subclass
+
 CHECKPOINT_SUBDIR = "checkpoints"
 POOLER_PREFIX = "bert.pooler."
 # NVIDIA's mixed-precision switches: accepting them would train in fp32 while the command line says fp16.
@@ -82,7 +99,8 @@ POOLER_UNUSED = (BertForQuestionAnswering, BertForTokenClassification)
 
 # ============================================================================ flags
 
-def build_parser(description: str, usage: str) -> tuple:
+def build_parser(description: str,
+                 usage: str) -> tuple[argparse.ArgumentParser, dict[str, argparse._ArgumentGroup]]:
     """(parser, {title: argument group}) with the common flags in their groups; an entry point adds its own
     flags to these groups ("data", "model", ...)."""
     parser = command_line.OneLineErrorParser(description=description, usage=usage, epilog=command_line.SWITCHES_EPILOG,
@@ -151,7 +169,7 @@ def build_parser(description: str, usage: str) -> tuple:
     return parser, groups
 
 
-def parse_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     device_setup.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
     import deepspeed
@@ -191,14 +209,14 @@ class Config:
     json_summary: str
     log_freq: int
     disable_progress_bar: bool
-    ds_config: dict | None          # the DeepSpeed settings (deepspeed_settings); None without --do_train
+    ds_config: dict[str, Any] | None  # the DeepSpeed settings (deepspeed_settings); None without --do_train
 
-    def flags(self) -> dict:
+    def flags(self) -> dict[str, Any]:
         """The flags' values, as the logged "Config" record shows them (the DeepSpeed settings are logged apart)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ds_config"}
 
 
-def build_config(args: argparse.Namespace, config_class: type[Config] = Config) -> Config:
+def build_config(args: argparse.Namespace, config_class: type[Settings]) -> Settings:
     """The common checks, before any work, and the entry point's Config (config_class) of the flags."""
     for flag in FP16_FLAGS:
         if getattr(args, flag[2:]):
@@ -234,7 +252,7 @@ def build_config(args: argparse.Namespace, config_class: type[Config] = Config) 
 
 
 def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_accumulation_steps: int | None,
-                       world_size: int) -> dict:
+                       world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON at path (--deepspeed_config; optional: fp32 ZeRO-0 without it) with NVIDIA's batch flags
     filled in. As in NVIDIA's run_squad.py and run_glue.py, --train_batch_size is one process's batch per optimizer
     step: its micro-batch is train_batch_size / gradient_accumulation_steps (NVIDIA floors the division; here it
@@ -309,10 +327,12 @@ def deepspeed_settings(path: str | None, train_batch_size: int | None, gradient_
     return deepspeed_config.check(config, world_size, where)
 
 
-def load_pretrained(init_checkpoint: str | Path | None, config_file: str | Path | None) -> tuple:
+def load_pretrained(init_checkpoint: str | Path | None,
+                    config_file: str | Path | None) -> tuple[BertConfig, StateDict | None]:
     """(BertConfig, weights or None): from init_checkpoint (--init_checkpoint, any weight source; checked
     against config_file, --config_file, if given), else config_file with fresh weights."""
     if init_checkpoint is None:
+        assert config_file is not None  # build_config refuses a run with neither
         return read_config_file(config_file), None
     if storage.is_s3_url(str(init_checkpoint)):
         with tempfile.TemporaryDirectory(prefix="init-checkpoint-") as local:
@@ -326,14 +346,14 @@ def fetch_s3_checkpoint(url: str, local: Path) -> Path:
     try:
         tag = checkpoint_s3.fetch_checkpoint(storage.S3Store(url), local)
         if tag is None:  # not a run's prefix: the URL may name one tag of it
-            parent, _, name = url.rstrip("/").rpartition("/")
-            tag = checkpoint_s3.fetch_checkpoint(storage.S3Store(parent), local, name)
+            parent, _, tag = url.rstrip("/").rpartition("/")
+            checkpoint_s3.fetch_checkpoint(storage.S3Store(parent), local, tag)  # CheckpointError without it
     except (storage.StorageError, checkpointing.CheckpointError) as err:
         raise InputError(f"--init_checkpoint {url}: {err}") from err
     return local / tag
 
 
-def load_tokenizer(vocab_file: str, do_lower_case: bool, config: BertConfig):
+def load_tokenizer(vocab_file: str, do_lower_case: bool, config: BertConfig) -> "Tokenizer":
     """The WordPiece tokenizer of vocab_file (--vocab_file); its size must be the model's vocab_size."""
     from data.tokenization import load_tokenizer as load
     tokenizer, vocab_size, _ = load(vocab_file, do_lower_case)
@@ -352,7 +372,7 @@ class Session:
     device: torch.device
     rank: int
     world: int
-    logger: object  # logs.build_logger's
+    logger: "dllogger.Logger"  # logs.build_logger's
     say: Callable[[str], None]  # prints on rank 0, nothing elsewhere
     progress_bar: bool  # rank 0 without --disable-progress-bar
 
@@ -378,7 +398,8 @@ def start(config: Config, name: str, job: distributed.Job | None = None) -> Sess
                    progress_bar=rank == 0 and not config.disable_progress_bar)
 
 
-def check_weights(make_model, config: BertConfig, weights: dict | None, *, fine_tune: bool) -> None:
+def check_weights(make_model: Callable[[BertConfig], nn.Module], config: BertConfig, weights: StateDict | None, *,
+                  fine_tune: bool) -> None:
     """build_model's checks of `weights` (InputError), before the run writes anything: the model is built on
     the meta device (names and shapes, no memory, no random numbers)."""
     if weights is None:
@@ -388,7 +409,7 @@ def check_weights(make_model, config: BertConfig, weights: dict | None, *, fine_
     _check_fit(model, config, weights, fine_tune=fine_tune)
 
 
-def _check_fit(model, config: BertConfig, weights: dict, *, fine_tune: bool) -> None:
+def _check_fit(model: nn.Module, config: BertConfig, weights: StateDict, *, fine_tune: bool) -> None:
     """Every encoder weight (bert.*) of `model` is in `weights` with its shape, and nothing else of bert.*;
     the task head (and the pooler it reads) only when not fine_tune. InputError otherwise."""
     own = model.state_dict()
@@ -422,7 +443,8 @@ def _check_fit(model, config: BertConfig, weights: dict, *, fine_tune: bool) -> 
                          f"--do_train run")
 
 
-def build_model(make_model, config: BertConfig, weights: dict | None, session: Session, *, fine_tune: bool):
+def build_model(make_model: Callable[[BertConfig], Model], config: BertConfig, weights: StateDict | None,
+                session: Session, *, fine_tune: bool) -> Model:
     """make_model(config) -> a head model of modeling.py, with `weights` loaded: every encoder weight
     (bert.*) must be there; head weights are used when present (a fine-tuned checkpoint), else the head
     starts fresh, which only fine-tuning (fine_tune: --do_train) may do; the pretraining heads (cls.*) are
@@ -480,7 +502,7 @@ class Plan:
         return order[start:start + self.micro]
 
 
-def training_plan(ds_config: dict, world: int, num_examples: int, what: str = "training examples") -> Plan:
+def training_plan(ds_config: dict[str, Any], world: int, num_examples: int, what: str = "training examples") -> Plan:
     """The batch geometry of training on num_examples rows (`what` they are, for the error) on `world` ranks;
     InputError when they do not fill one global batch."""
     plan = Plan(ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"], world,
@@ -491,19 +513,21 @@ def training_plan(ds_config: dict, world: int, num_examples: int, what: str = "t
     return plan
 
 
-def check_training_data(ds_config: dict | None, num_examples: int | None, what: str = "training examples") -> None:
+def check_training_data(ds_config: dict[str, Any] | None, num_examples: int | None,
+                        what: str = "training examples") -> None:
     """training_plan's check before start() writes anything; the ranks are the launcher's WORLD_SIZE, as in
     build_config(). Nothing to check without training (ds_config or num_examples None)."""
     if ds_config is not None and num_examples is not None:
         training_plan(ds_config, int(os.environ.get("WORLD_SIZE", "1")), num_examples, what)
 
 
-def train(session: Session, model, features: dict, loss_fn) -> dict:
+def train(session: Session, model: BertPreTrainedModel, features: Features, loss_fn: LossFn) -> dict[str, Any]:
     # The first torch.optim optimizer built in a process imports torch._dynamo (seconds on a 2-core CPU): that is
     # start-up, so it happens before the training clock starts (transformers' Trainer imports it before train()).
     importlib.import_module("torch._dynamo")
     started = time.perf_counter()
     config, ds_config = session.config, session.config.ds_config
+    assert ds_config is not None  # build_config makes it with --do_train
     plan = training_plan(ds_config, session.world, len(next(iter(features.values()))))
     total_steps = plan.total_steps(config.max_steps, config.num_train_epochs)
     # The fused kernel, as transformers' Trainer uses: on the CPU the default is a per-tensor loop, and the step
@@ -549,7 +573,8 @@ def train(session: Session, model, features: dict, loss_fn) -> dict:
                 "final_loss": losses[-1] if losses else float("nan"), "global_step": step, "stopped_by_signal": stopped}
 
 
-def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, step: int, stop_event) -> tuple:
+def train_step(session: Session, engine: "DeepSpeedEngine", plan: Plan, features: Features, loss_fn: LossFn, step: int,
+               stop_event: threading.Event) -> tuple[float, bool]:
     """One optimizer step over GAS micro-batches; returns (loss averaged over micro-batches and ranks,
     whether any rank asked to stop)."""
     engine.train()
@@ -566,7 +591,7 @@ def train_step(session: Session, engine, plan: Plan, features: dict, loss_fn, st
     return loss_sum / session.world, stop > 0
 
 
-def to_device(features: dict, rows, device) -> dict:
+def to_device(features: Features, rows: torch.Tensor, device: torch.device) -> Features:
     return {name: tensor[rows].to(device) for name, tensor in features.items()}
 
 
@@ -583,18 +608,18 @@ SETUP_FLAGS = {"micro_batch": "--train_batch_size, --gradient_accumulation_steps
 SCHEDULE_FLAGS = {**schedule_resume.SCHEDULE_FLAGS, "total_steps": "the steps of --max_steps/--num_train_epochs"}
 
 
-def training_setup(plan: Plan, seed: int, features: dict) -> dict:
+def training_setup(plan: Plan, seed: int, features: Features) -> dict[str, int | str]:
     """What decides the samples of every step, saved in each checkpoint: a resume with other values would
     take other samples from the step reached on."""
     digest = hashlib.sha256()
     for name in sorted(features):
         digest.update(name.encode())
-        digest.update(features[name].contiguous().numpy())
+        digest.update(features[name].contiguous().numpy().data)
     return {"micro_batch": plan.micro, "accumulation_steps": plan.gas, "examples": plan.num_examples, "seed": seed,
             "data_sha256": digest.hexdigest()}
 
 
-def save(session: Session, engine, step: int, setup: dict) -> None:
+def save(session: Session, engine: "DeepSpeedEngine", step: int, setup: dict[str, int | str]) -> None:
     """Collective. The optimizer, scheduler and RNG states come along, and the training setup
     (training_setup), so a resume continues exactly."""
     client_state = {"global_step": step, "model_config": engine.module.config.to_dict(), "training_setup": setup}
@@ -603,7 +628,7 @@ def save(session: Session, engine, step: int, setup: dict) -> None:
     session.say(f"saved checkpoint {step} in {checkpoint_dir(session.output_dir)}")
 
 
-def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
+def resume(session: Session, engine: "DeepSpeedEngine", config: BertConfig, setup: dict[str, int | str]) -> int:
     """The step of the newest checkpoint in <output_dir>/checkpoints, loaded into engine (0 without one). A
     checkpoint of another training setup is refused: the run would go on with other samples (checkpoints saved
     before the setup was saved are not checked). Other LR schedule flags are followed from the step reached
@@ -630,11 +655,12 @@ def resume(session: Session, engine, config: BertConfig, setup: dict) -> int:
     return int(client["global_step"])
 
 
-def train_then_evaluate(session: Session, model, train_features: dict | None, loss_fn, evaluate) -> dict:
+def train_then_evaluate(session: Session, model: BertPreTrainedModel, train_features: Features | None, loss_fn: LossFn,
+                        evaluate: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
     """An entry point's work after start(): train() when train_features is given, then evaluate() -> dict
     (when given) unless a stop request ended training; logs the merged summary (dllogger step ()) and
     returns it."""
-    summary = {}
+    summary: dict[str, Any] = {}
     if train_features is not None:
         summary.update(train(session, model, train_features, loss_fn))
     if evaluate is not None and not summary.get("stopped_by_signal"):
@@ -647,7 +673,8 @@ def train_then_evaluate(session: Session, model, train_features: dict | None, lo
 # ============================================================================ prediction
 
 @torch.no_grad()
-def predict(session: Session, model, features: dict, batch_size: int, forward_fn) -> tuple:
+def predict(session: Session, model: nn.Module, features: Features, batch_size: int,
+            forward_fn: ForwardFn) -> tuple[torch.Tensor, ...]:
     """forward_fn over every row, batches spread over the ranks; every rank gets all outputs, in order."""
     if batch_size < 1:
         raise InputError(f"the prediction batch size must be at least 1, got {batch_size}")
@@ -655,7 +682,7 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
     was_training = model.training
     model.eval()
     num_examples = len(next(iter(features.values())))
-    mine = []
+    mine: list[tuple[int, tuple[torch.Tensor, ...]]] = []  # (first row, outputs) of each of this rank's batches
     starts = range(session.rank * batch_size, num_examples, session.world * batch_size)
     progress = progress_display.progress_bar(session.progress_bar, len(starts), 0, "predicting",
                                              max(1, len(starts) // 10))
@@ -667,7 +694,7 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
         progress.update(1)
     progress.close()
     model.train(was_training)
-    gathered = [None] * session.world
+    gathered: list[list[tuple[int, tuple[torch.Tensor, ...]]]] = [[] for _ in range(session.world)]
     dist.all_gather_object(gathered, mine)
     pieces = sorted((piece for rank_pieces in gathered for piece in rank_pieces), key=lambda piece: piece[0])
     if not pieces:
@@ -675,7 +702,7 @@ def predict(session: Session, model, features: dict, batch_size: int, forward_fn
     return tuple(torch.cat([outputs[i] for _, outputs in pieces]) for i in range(len(pieces[0][1])))
 
 
-def run_cli(main, argv) -> int:
+def run_cli(main: Callable[..., dict[str, Any]], argv: Sequence[str] | None) -> int:
     """An entry point's cli(): one error line instead of a traceback, and an exit status of training/run_status.py's
     contract, as run_pretraining.cli's: bad input is final (NO_RESTART, 2; the line says [no restart]), since a
     restart would meet it again; a checkpoint that cannot be saved or resumed from is a FAILED run (1); STOPPED (3)
