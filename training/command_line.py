@@ -10,8 +10,10 @@ import socket
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -20,11 +22,16 @@ from common.storage import WRITE_PROBE_PREFIX
 from training.distributed import Job
 from training.run_status import ExitStatus, exit_status_of
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Settings = TypeVar("Settings", bound="DataclassInstance")
+
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line: with ~50 flags the usage block would bury the message."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(ExitStatus.NO_RESTART, f"error: {message} (see --help)\n")
 
 
@@ -34,7 +41,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 required. Switches (store_true)
     are off unless given, which SWITCHES_EPILOG says once instead of "(default: False)" on each."""
 
-    def _get_help_string(self, action):
+    def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or "(default" in text
                 or action.required or action.default is argparse.SUPPRESS or not action.option_strings):
@@ -45,14 +52,14 @@ required. Switches (store_true)
 SWITCHES_EPILOG = "Flags without a value are switches: off unless given."
 
 
-def settings_from_flags(settings_class, args: argparse.Namespace, **derived):
+def settings_from_flags(settings_class: type[Settings], args: argparse.Namespace, **derived: object) -> Settings:
     """An entry point's frozen settings dataclass from its parsed flags: each field from the flag of its name,
     unless `derived` gives its value (a checked, converted or combined one, or what a file holds)."""
     return settings_class(**{field.name: getattr(args, field.name) for field in dataclasses.fields(settings_class)
                              if field.name not in derived}, **derived)
 
 
-def check_writable_directory(path, flag: str) -> None:
+def check_writable_directory(path: str | os.PathLike[str], flag: str) -> None:
     """Create `path` if needed and write a probe file in it, so that a read-only place or a file in the
     way is one error line before any work, not a failure at the first save hours later."""
     path = Path(path)
@@ -66,7 +73,7 @@ def check_writable_directory(path, flag: str) -> None:
         raise InputError(f"{flag} {path} is not writable: {err.strerror or err}") from err
 
 
-def check_writable_file(path, flag: str) -> None:
+def check_writable_file(path: str | os.PathLike[str], flag: str) -> None:
     """The file `path` can be written: its directory is writable, and the file itself when it exists."""
     path = Path(path)
     if path.is_dir():
@@ -80,7 +87,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextmanager
-def stop_requests():
+def stop_requests() -> Iterator[threading.Event]:
     """SIGTERM/SIGINT set an event instead of killing the process; the loop checks it at step ends. A stop signal
     that an entry point blocked while it started (run_pretraining.py) and that came meanwhile sets it at once."""
     event = threading.Event()
@@ -108,7 +115,15 @@ def write_whole_lines() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def run_cli(main, argv, errors: tuple, final: tuple = (), report=None) -> int:
+class EntryPoint(Protocol):
+    """An entry point's main, as run_cli calls it; it returns its summary (training/run_status.exit_status_of)."""
+
+    def __call__(self, argv: list[str] | None, /, *, job: Job) -> object: ...
+
+
+def run_cli(main: EntryPoint, argv: list[str] | None, errors: tuple[type[BaseException], ...],
+            final: tuple[type[BaseException], ...] = (),
+            report: Callable[[ExitStatus, str | None], None] | None = None) -> int:
     """main(argv, job=job) with one clear error line instead of a traceback for `errors` (plus InputError), and an
     exit status of training/run_status.py's contract: STOPPED when main's summary says a stop request ended it,
     else DONE; NO_RESTART for an error of a `final` type (a restart would meet it again), but never for a

@@ -14,8 +14,9 @@ import socket
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,8 @@ class Job:
     def __init__(self, report: Callable[[ExitStatus, str | None], None] | None = None):
         self.report = report
         self.timeout_s: float | None = None
-        self.hosts: list = []
-        self.peer_watch = None
+        self.hosts: list[str] = []  # host_label() of every rank, by rank
+        self.peer_watch: peer_watch.PeerWatch | None = None
         # One error line per process: the main thread's and the peer watch's (training/peer_watch.py) could race.
         self.error_line_lock = threading.RLock()
 
@@ -74,7 +75,7 @@ class Job:
         if watch is not None:
             watch.leave(goodbye)
 
-    def describe_collective_failure(self, err: Exception):
+    def describe_collective_failure(self, err: Exception) -> str | None:
         """One line for a collective that failed because a peer died, stalled or became unreachable, or for a
         rendezvous that not every rank joined in time; None when `err` is something else."""
         text = " ".join(str(err).split())
@@ -107,7 +108,7 @@ class Job:
 def setup_device_and_distributed(job: Job, use_hpu: bool, no_cuda: bool, local_rank: int = -1,
                                  collective_timeout_s: float = 1800,
                                  stop_event: threading.Event | None = None,
-                                 ds_config: dict | None = None, watch_peers: bool = True) -> torch.device:
+                                 ds_config: dict[str, Any] | None = None, watch_peers: bool = True) -> torch.device:
     """The only place that touches backends, environment variables and DeepSpeed's CPU traps. A collective
     that waits longer than collective_timeout_s (a rank died or stalled) raises instead of hanging. A stop
     (SIGINT/SIGTERM, or stop_event already set) while waiting for the other ranks ends the process within
@@ -167,7 +168,7 @@ def setup_device_and_distributed(job: Job, use_hpu: bool, no_cuda: bool, local_r
     return device
 
 
-def _share_from_rank_0(value):
+def _share_from_rank_0(value: int) -> int:
     shared = [value]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
@@ -178,7 +179,7 @@ RENDEZVOUS_STOP_GRACE_S = 3.0
 
 
 @contextmanager
-def stop_ends_rendezvous(job: Job, stop_requested: bool = False):
+def stop_ends_rendezvous(job: Job, stop_requested: bool = False) -> Iterator[None]:
     """Trap: the rendezvous blocks in C++ (gloo, the TCP store, NCCL) until every rank has joined or the
     collective timeout has passed, and Python runs signal handlers only once it returns: a Ctrl-C to a rank
     whose peer never came waited out the whole --collective_timeout_s. Inside this block the C-level handler
@@ -251,11 +252,11 @@ def host_label() -> str:
     return f"{socket.gethostname()} ({address})"
 
 
-def gather_rank_hosts() -> list:
+def gather_rank_hosts() -> list[str]:
     """host_label() of every rank, by rank (one all_gather at start-up)."""
-    hosts = [None] * dist.get_world_size()
+    hosts: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, host_label())
-    return hosts
+    return cast(list[str], hosts)
 
 
 def free_port() -> int:

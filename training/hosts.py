@@ -6,12 +6,14 @@ import concurrent.futures
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, cast
 
 from common.errors import InputError
 
@@ -31,15 +33,26 @@ class Host:
     line: int
 
 
+class HostDescription(TypedDict):
+    """What describe_this_host reports (as JSON, from another host)."""
+    repository: str
+    code: str  # code_digest()
+    python: str
+    python_version: str
+    packages: dict[str, str | None]  # pinned_versions()
+    data_dir: bool  # whether the data directory exists there
+
+
 # ============================================================================ hostfile
 
-def parse_hostfile(path) -> list:
+def parse_hostfile(path: str | os.PathLike[str]) -> list[Host]:
     """The hosts of a DeepSpeed hostfile (`host slots=N` per line, `#` comments, blank lines ignored)."""
     try:
         text = Path(path).read_text()
     except OSError as err:
         raise PreflightError(f"hostfile {path}: {err.strerror}") from err
-    hosts, seen = [], {}
+    hosts: list[Host] = []
+    seen: dict[str, int] = {}  # host name -> its line
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -60,7 +73,7 @@ def parse_hostfile(path) -> list:
     return hosts
 
 
-def hosts_for_job(hosts: list, num_nodes: int, ngpu_per_node: int, path) -> list:
+def hosts_for_job(hosts: list[Host], num_nodes: int, ngpu_per_node: int, path: str | os.PathLike[str]) -> list[Host]:
     """The first num_nodes hosts (as `deepspeed --num_nodes` takes them), each with at least ngpu_per_node slots."""
     if len(hosts) < num_nodes:
         raise PreflightError(f"hostfile {path} names {len(hosts)} hosts, fewer than the {num_nodes} nodes asked for")
@@ -74,7 +87,7 @@ def hosts_for_job(hosts: list, num_nodes: int, ngpu_per_node: int, path) -> list
 
 # ============================================================================ what a host must share
 
-def describe_this_host(data_dir) -> dict:
+def describe_this_host(data_dir: str | os.PathLike[str]) -> HostDescription:
     """What must be equal on every host (the probe that runs on each one, and here)."""
     return {"repository": str(REPO_ROOT), "code": code_digest(), "python": sys.executable,
             "python_version": platform.python_version(), "packages": pinned_versions(),
@@ -89,9 +102,9 @@ def code_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def pinned_versions() -> dict:
+def pinned_versions() -> dict[str, str | None]:
     """Installed versions of the packages pinned in requirements.txt (None when not installed)."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for line in (REPO_ROOT / "requirements.txt").read_text().splitlines():
         name = line.split("#", 1)[0].strip().split("==")[0].strip()
         if name:
@@ -102,7 +115,8 @@ def pinned_versions() -> dict:
     return versions
 
 
-def differences(name: str, here: dict, there: dict, data_dir) -> list:
+def differences(name: str, here: HostDescription, there: HostDescription,
+                data_dir: str | os.PathLike[str]) -> list[str]:
     """One line per difference between this host's description and host `name`'s."""
     lines = []
     if there["code"] != here["code"]:
@@ -119,7 +133,7 @@ def differences(name: str, here: dict, there: dict, data_dir) -> list:
     return lines
 
 
-def probe_host(name: str, data_dir, timeout: float) -> dict:
+def probe_host(name: str, data_dir: str | os.PathLike[str], timeout: float) -> HostDescription:
     """describe_this_host() run on `name` over ssh; PreflightError (one line) when that fails."""
     remote = (f"cd {shlex.quote(str(REPO_ROOT))} 2>/dev/null || {{ echo 'no such directory' >&2; exit 3; }}; "
               f"test -x {shlex.quote(sys.executable)} || {{ echo 'no such interpreter' >&2; exit 4; }}; "
@@ -138,17 +152,17 @@ def probe_host(name: str, data_dir, timeout: float) -> dict:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "ssh failed"
         raise PreflightError(f"host {name}: ssh failed: {reason}")
     try:
-        return json.loads(result.stdout.strip().splitlines()[-1])
+        return cast(HostDescription, json.loads(result.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise PreflightError(f"host {name}: the probe failed (exit {result.returncode}): {last}") from None
 
 
-def problems_by_host(hosts: list, data_dir, timeout: float) -> dict:
+def problems_by_host(hosts: list[Host], data_dir: str | os.PathLike[str], timeout: float) -> dict[str, list[str]]:
     """Every host probed in parallel; {host name: its error lines (empty when it agrees with this host)}.
     The supervisor's check before a restart, too."""
     here = describe_this_host(data_dir)
-    problems = {}
+    problems: dict[str, list[str]] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         futures = {host.name: pool.submit(probe_host, host.name, data_dir, timeout) for host in hosts}
         for name, future in futures.items():

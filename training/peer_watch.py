@@ -34,7 +34,8 @@ class PeerWatch:
     """rank 0 holds a connection to every other rank; the others one connection, to rank 0. on_death(text) is
     called from the watching thread with the reason; it ends the process, unless the process is leaving already."""
 
-    def __init__(self, rank: int, hosts: list, connections: dict, on_death: Callable[[str], None]):
+    def __init__(self, rank: int, hosts: list[str], connections: dict[int, socket.socket],
+                 on_death: Callable[[str], None]) -> None:
         self.rank, self.hosts, self.connections, self.on_death = rank, hosts, connections, on_death
         self.leaving = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="peer watch", daemon=True)
@@ -52,14 +53,15 @@ class PeerWatch:
                 pass
 
     def _watch(self) -> None:
-        selector, pending = selectors.DefaultSelector(), {peer: b"" for peer in self.connections}
+        selector = selectors.DefaultSelector()
+        pending = {peer: b"" for peer in self.connections}  # what each peer sent, not yet read as a message
         for peer, connection in self.connections.items():
             selector.register(connection, selectors.EVENT_READ, peer)
         while pending and not self.leaving.is_set():
             for key, _ in selector.select(timeout=1.0):
                 peer = key.data
                 try:
-                    received = key.fileobj.recv(64)
+                    received = self.connections[peer].recv(64)
                 except OSError:  # reset by the peer's kernel
                     received = b""
                 if received:
@@ -71,7 +73,7 @@ class PeerWatch:
                 del pending[peer]
                 self._lost(f"the connection to rank {peer} on {self.hosts[peer]} broke: that rank died", peer)
 
-    def _read_messages(self, peer: int, pending: dict) -> bool:
+    def _read_messages(self, peer: int, pending: dict[int, bytes]) -> bool:
         """Act on what `peer` sent; True when it said goodbye (nothing more to watch there)."""
         data = pending[peer]
         if data.startswith(BYE):
@@ -83,7 +85,7 @@ class PeerWatch:
             self._lost(f"rank {lost} on {self.hosts[lost]} died (rank 0 lost its connection to it)", None)
         return False
 
-    def _lost(self, what: str, peer) -> None:
+    def _lost(self, what: str, peer: int | None) -> None:
         if self.leaving.wait(GRACE_S):
             return
         if self.rank == 0 and peer is not None:
@@ -96,7 +98,7 @@ class PeerWatch:
         self.on_death(f"{what}; the job stops")
 
 
-def start(rank: int, world: int, hosts: list, master_addr: str, share_port: Callable[[int], int],
+def start(rank: int, world: int, hosts: list[str], master_addr: str, share_port: Callable[[int], int],
           timeout_s: float, on_death: Callable[[str], None]) -> PeerWatch | None:
     """Connect every rank to rank 0 and start watching; None for a world of one. Collective: share_port(port)
     gives every rank rank 0's listening port (rank 0 passes it, the others anything). A rank that cannot join
@@ -122,7 +124,7 @@ def start(rank: int, world: int, hosts: list, master_addr: str, share_port: Call
 OPEN_PORTS = "the ranks must reach rank 0 on an ephemeral port besides the backend's ports (docs/several-servers.md)"
 
 
-def _accept_every_rank(world: int, share_port: Callable[[int], int], timeout_s: float) -> dict:
+def _accept_every_rank(world: int, share_port: Callable[[int], int], timeout_s: float) -> dict[int, socket.socket]:
     """rank 0: a connection from each other rank, by rank. A connection that does not name a rank of the job
     (a port scanner, say) is closed and ignored."""
     if socket.has_dualstack_ipv6():  # MASTER_ADDR may be an IPv6 address
@@ -131,7 +133,8 @@ def _accept_every_rank(world: int, share_port: Callable[[int], int], timeout_s: 
         listener = socket.create_server(("", 0), backlog=world)
     with listener:
         share_port(listener.getsockname()[1])
-        deadline, connections = time.monotonic() + timeout_s, {}
+        deadline = time.monotonic() + timeout_s
+        connections: dict[int, socket.socket] = {}
         while len(connections) < world - 1:
             listener.settimeout(max(deadline - time.monotonic(), 0.01))
             try:

@@ -36,7 +36,7 @@ from training.hosts import (
 
 # ============================================================================ main
 
-def run_checks(args) -> list:
+def run_checks(args: argparse.Namespace) -> list[str]:
     """All checks; returns the lines to print on success, raises PreflightError with the error lines."""
     if not Path(args.data_dir).is_dir():
         raise PreflightError(f"data directory {args.data_dir} does not exist")
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.describe:
         print(json.dumps(describe_this_host(args.data_dir)))

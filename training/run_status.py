@@ -36,6 +36,7 @@ import os
 from datetime import UTC, datetime
 from enum import IntEnum
 from pathlib import Path
+from typing import TypedDict, cast
 
 from common.atomic_write import write_text_atomically
 
@@ -47,22 +48,31 @@ class ExitStatus(IntEnum):
     STOPPED = 3
 
 
-def exit_status_of(summary) -> ExitStatus:
+class RunStatus(TypedDict):
+    """The status file's content (StatusFile._write)."""
+    checkpoint: str | None
+    ended: str | None  # an ExitStatus name; None while the run goes on
+    exit_status: int | None
+    message: str | None
+    written: str  # ISO 8601, UTC
+
+
+def exit_status_of(summary: object) -> ExitStatus:
     """The exit status of an entry point whose main returned `summary` (its final record)."""
     return ExitStatus.STOPPED if isinstance(summary, dict) and summary.get("stopped_by_signal") else ExitStatus.DONE
 
 
-def status_path(json_summary) -> Path:
+def status_path(json_summary: str | os.PathLike[str]) -> Path:
     """The status file of the run whose dllogger stream is `json_summary`: results/dllogger.json's is
     results/dllogger.status.json."""
-    json_summary = Path(json_summary)
-    return json_summary.with_name(f"{json_summary.stem}.status.json")
+    summary_path = Path(json_summary)
+    return summary_path.with_name(f"{summary_path.stem}.status.json")
 
 
-def read_status(path) -> dict | None:
+def read_status(path: str | os.PathLike[str]) -> RunStatus | None:
     """The status file's content; None when there is none (or it cannot be read: no rank 0 wrote it)."""
     try:
-        return json.loads(Path(path).read_text())
+        return cast(RunStatus, json.loads(Path(path).read_text()))
     except (OSError, ValueError):
         return None
 
@@ -71,10 +81,11 @@ class StatusFile:
     """Rank 0's status file. It writes nothing until place() has given it its path (once the flags are read),
     and nothing on another rank."""
 
-    def __init__(self):
-        self.path, self.checkpoint = None, None
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.checkpoint: str | None = None
 
-    def place(self, json_summary) -> None:
+    def place(self, json_summary: str | os.PathLike[str]) -> None:
         if os.environ.get("RANK", "0") == "0":
             self.path = status_path(json_summary)
 
@@ -92,7 +103,7 @@ class StatusFile:
     def _write(self, status: ExitStatus | None, message: str | None) -> None:
         if self.path is None:
             return
-        content = {"checkpoint": self.checkpoint, "ended": None if status is None else status.name,
-                   "exit_status": None if status is None else int(status), "message": message,
-                   "written": datetime.now(UTC).isoformat()}
+        content: RunStatus = {"checkpoint": self.checkpoint, "ended": None if status is None else status.name,
+                              "exit_status": None if status is None else int(status), "message": message,
+                              "written": datetime.now(UTC).isoformat()}
         write_text_atomically(self.path, json.dumps(content) + "\n")

@@ -37,14 +37,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
+from typing import TypeAlias
 
 from common.deepspeed_config import DeepSpeedConfigError, read_batch_arithmetic
 from common.errors import InputError
-from training.hosts import REPO_ROOT, hosts_for_job, parse_hostfile, problems_by_host
-from training.run_status import ExitStatus, read_status, status_path
+from training.hosts import REPO_ROOT, Host, hosts_for_job, parse_hostfile, problems_by_host
+from training.run_status import ExitStatus, RunStatus, read_status, status_path
 
 try:
     import dllogger
@@ -56,6 +59,12 @@ except ImportError:  # NVIDIA's package is not on PyPI; the fallback has the sam
 # vanished may never end (without ServerAliveInterval in ssh's config).
 EXIT_GRACE_S = 60.0
 POLL_S = 0.2
+
+
+# problems_by_host's signature: (the job's hosts, data directory, ssh timeout) -> {host name: its problems}
+CheckHosts: TypeAlias = Callable[[list[Host], str | os.PathLike[str], float], dict[str, list[str]]]
+# signal_ranks's signature: (host names, master address, master port, signal name) -> ranks signalled
+SignalRanks: TypeAlias = Callable[[list[str], str, int, str], int]
 
 
 class SupervisorStop(Exception):
@@ -82,9 +91,9 @@ def exit_status_text(status: int) -> str:
         return f"exited with status {status}"
 
 
-def pdsh_connections(pid: int) -> set:
+def pdsh_connections(pid: int) -> set[int]:
     """The processes that a pdsh below process `pid` runs: its ssh connections, one per server (Linux /proc)."""
-    children = collections.defaultdict(list)  # parent pid -> [(pid, name)]
+    children: dict[int, list[tuple[int, str]]] = collections.defaultdict(list)  # parent pid -> [(pid, name)]
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
@@ -92,7 +101,8 @@ def pdsh_connections(pid: int) -> set:
             continue
         name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
         children[int(fields[1])].append((int(stat.parent.name), name))
-    connections, below = set(), [pid]
+    connections: set[int] = set()
+    below = [pid]
     while below:
         for child, name in children[below.pop()]:
             below.append(child)
@@ -105,11 +115,12 @@ class EndWatch:
     """When an attempt began to end, read without its output: rank 0 wrote its end into the status file (after
     `before`, the file's content when the attempt started), or one of pdsh's connections ended."""
 
-    def __init__(self, status_file: Path, before: dict | None):
+    def __init__(self, status_file: Path, before: RunStatus | None) -> None:
         self.status_file, self.before = status_file, before
-        self.connections, self.started_to_end = set(), None
+        self.connections: set[int] = set()
+        self.started_to_end: float | None = None
 
-    def status(self) -> dict | None:
+    def status(self) -> RunStatus | None:
         """The status file as this attempt wrote it; None when it has not (yet)."""
         status = read_status(self.status_file)
         return status if status is not None and status != self.before else None
@@ -128,10 +139,11 @@ class RestartBudget:
     """At most max_restarts restarts within window_s seconds, and no restart after max_restarts identical
     failures in a row (the same error from the same checkpoint: bad data or a bug, not a lost server)."""
 
-    def __init__(self, max_restarts: int, window_s: float):
+    def __init__(self, max_restarts: int, window_s: float) -> None:
         self.max_restarts, self.window_s = max_restarts, window_s
-        self.restart_times = collections.deque()
-        self.last_failure, self.repeats = None, 0
+        self.restart_times: collections.deque[float] = collections.deque()
+        self.last_failure: tuple[int, str | None, str | None] | None = None  # (status, reason, checkpoint)
+        self.repeats = 0
 
     def refusal(self, outcome: Outcome, now: float) -> str | None:
         """Why the job must not be restarted after `outcome` (None: restart), counting it as a failure."""
@@ -155,7 +167,8 @@ def resume_point(outcome: Outcome) -> str:
     return f"checkpoint {outcome.checkpoint}" if outcome.checkpoint else "the start (no checkpoint seen)"
 
 
-def usable_hosts(passing: list, ngpu_per_node: int, ds_config, min_hosts: int) -> list:
+def usable_hosts(passing: list[str], ngpu_per_node: int, ds_config: str | os.PathLike[str],
+                 min_hosts: int) -> list[str]:
     """The first K of the hosts that passed, K the most (at least min_hosts) that keep the global batch."""
     if len(passing) < min_hosts:
         raise SupervisorStop(f"{len(passing)} host(s) pass the checks, fewer than --min_hosts {min_hosts}")
@@ -169,7 +182,7 @@ def usable_hosts(passing: list, ngpu_per_node: int, ds_config, min_hosts: int) -
     raise SupervisorStop(f"{first_error}, nor on fewer hosts down to --min_hosts {min_hosts}")
 
 
-def signal_ranks(hosts: list, master_addr: str, master_port: int, signal_name: str) -> int:
+def signal_ranks(hosts: list[str], master_addr: str, master_port: int, signal_name: str) -> int:
     """Send a signal to a job's ranks (found by master address and port) on `hosts`; returns how many were
     signalled."""
     result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "signal_ranks.sh"), "--hosts", ",".join(hosts),
@@ -194,8 +207,8 @@ class SupervisorSettings:
 
 
 class Supervisor:
-    def __init__(self, settings: SupervisorSettings, command: list, workdir, check_hosts=problems_by_host,
-                 signal_ranks=signal_ranks):
+    def __init__(self, settings: SupervisorSettings, command: list[str], workdir: str | os.PathLike[str],
+                 check_hosts: CheckHosts = problems_by_host, signal_ranks: SignalRanks = signal_ranks) -> None:
         self.settings, self.command, self.workdir = settings, command, Path(workdir)
         self.check_hosts, self.signal_ranks = check_hosts, signal_ranks  # seams: the tests give stand-ins
         self.job_hosts = hosts_for_job(parse_hostfile(settings.hostfile), settings.num_nodes, settings.ngpu_per_node,
@@ -204,12 +217,14 @@ class Supervisor:
         self.status_file = status_path(settings.json_summary)
         self.stop_requests = self.stops_forwarded = 0
 
-    def request_stop(self, signum, frame) -> None:
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stop_requests += 1  # acted on by the loop in run_attempt (no subprocess inside a handler)
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> int:
-        hosts, checkpoint, restarts = [host.name for host in self.job_hosts], None, 0
+        hosts = [host.name for host in self.job_hosts]
+        checkpoint: str | None = None
+        restarts = 0
         while True:
             outcome = self.run_attempt(hosts, restarts, checkpoint)
             checkpoint = outcome.checkpoint
@@ -240,7 +255,7 @@ class Supervisor:
             self.restart_line(restarts, outcome, hosts, chosen, problems)
             hosts = chosen
 
-    def run_attempt(self, hosts: list, attempt: int, checkpoint) -> Outcome:
+    def run_attempt(self, hosts: list[str], attempt: int, checkpoint: str | None) -> Outcome:
         hostfile = self.workdir / f"hostfile_{attempt}"
         hostfile.write_text("".join(f"{name} slots={self.settings.ngpu_per_node}\n" for name in hosts))
         command = [self.command[0], "--num_nodes", str(len(hosts)), "--hostfile", str(hostfile), "--master_addr",
@@ -272,13 +287,14 @@ class Supervisor:
         return Outcome(runner.returncode, status["message"], status["checkpoint"])
 
     # ---------------------------------------------------------------- hosts
-    def end_leftovers(self, hosts: list, previous_master: str) -> None:
+    def end_leftovers(self, hosts: list[str], previous_master: str) -> None:
         """Ranks of the last attempt still alive on the hosts of the next (a host back from a network cut
         keeps its ranks until their collectives time out) would hold memory and devices: SIGKILL them."""
         self.signal_ranks(hosts, previous_master, self.settings.master_port, "KILL")
 
     # ---------------------------------------------------------------- reports
-    def restart_line(self, restarts: int, outcome: Outcome, previous: list, chosen: list, problems: dict) -> None:
+    def restart_line(self, restarts: int, outcome: Outcome, previous: list[str], chosen: list[str],
+                     problems: dict[str, list[str]]) -> None:
         left = [name for name in previous if name not in chosen]
         back = [name for name in chosen if name not in previous]
         why_left = {name: problems[name][0] if problems.get(name) else "passes, but the global batch needs fewer hosts"
@@ -302,7 +318,7 @@ class Supervisor:
         self.log_event({"event": "stop", "why": str(stop), "reason": reason, "exit_status": outcome.status,
                         "checkpoint": outcome.checkpoint})
 
-    def log_event(self, data: dict) -> None:
+    def log_event(self, data: dict[str, object]) -> None:
         """One record in the job's dllogger stream (no rank writes it between two attempts)."""
         logger = dllogger.Logger(backends=[dllogger.JSONStreamBackend(dllogger.Verbosity.VERBOSE,
                                                                       str(self.settings.json_summary), append=True)])
@@ -330,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_arguments(argv: list):
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = build_parser()
     if "--" not in argv:
         parser.parse_args(argv)  # --help first, and the flags' own errors
@@ -346,7 +362,7 @@ def parse_arguments(argv: list):
     return args, command
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args, command = parse_arguments(sys.argv[1:] if argv is None else argv)
     settings = SupervisorSettings(
         hostfile=args.hostfile, num_nodes=args.num_nodes, ngpu_per_node=args.ngpu_per_node,
