@@ -45,8 +45,9 @@ def named_groups(config: BertConfig) -> list[list[tuple[str, int]]]:
 def group_figures(group: list[tuple[str, int]], world_size: int) -> dict:
     """The layout figures of one param group (see report)."""
     layout = planned_layout([numel for _, numel in group], world_size)
-    whole = [sum(f.numel == layout.numels[f.index] for f in fragments) for fragments in layout.ranks]
-    spans = [sum(any(f.index == index for f in fragments) for fragments in layout.ranks) for index in range(len(group))]
+    whole = [sum(f.numel == layout.numels[f.param_index] for f in fragments) for fragments in layout.ranks]
+    spans = [sum(any(f.param_index == index for f in fragments) for fragments in layout.ranks)
+             for index in range(len(group))]
     widest = max(range(len(group)), key=spans.__getitem__)
     return {"tensors": len(group), "values": sum(layout.numels), "padding": layout.padding,
             "partition_size": layout.partition_size,

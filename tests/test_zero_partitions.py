@@ -71,10 +71,10 @@ SCRIPT = textwrap.dedent("""
         for g, part in enumerate(parts):
             for f in part.fragments:
                 assert part.flat.numel() >= f.partition_start + f.numel
-                held[g][f.index] += f.numel
+                held[g][f.param_index] += f.numel
         planned = [[tuple(f) for f in zero_partitions.planned_layout([q.numel() for q in part.params], world)
                     .ranks[rank]] for part in parts]
-        real = [[(f.index, f.partition_start, f.param_start, f.numel) for f in part.fragments] for part in parts]
+        real = [[(f.param_index, f.partition_start, f.param_start, f.numel) for f in part.fragments] for part in parts]
         matches = torch.tensor([int(planned == real)])
         dist.all_reduce(matches, op=dist.ReduceOp.MIN)
         held = torch.tensor(sum(held, []))
@@ -150,7 +150,7 @@ LAYOUT_SCRIPT = textwrap.dedent("""
                      "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         parts = zero_partitions.group_partitions(engine.optimizer)
-        real = [[(f.index, f.partition_start, f.param_start, f.numel) for f in part.fragments] for part in parts]
+        real = [[(f.param_index, f.partition_start, f.param_start, f.numel) for f in part.fragments] for part in parts]
         planned = [[tuple(f) for f in zero_partitions.planned_layout([p.numel() for p in part.params], world)
                     .ranks[rank]] for part in parts]
         sizes = [part.flat.numel() for part in parts]

@@ -19,13 +19,21 @@ backend that is not ``Verbosity.OFF``.
 
 import atexit
 import json
+import os
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
+from typing import TypeAlias
 
 __all__ = ["Backend", "DLLLoggerAlreadyInitialized", "DLLoggerNotInitialized", "JSONStreamBackend",
            "Logger", "StdOutBackend", "Verbosity", "default_metric_format", "default_prefix_format",
            "default_step_format", "flush", "init", "log", "metadata"]
+
+
+Step: TypeAlias = int | str | tuple[object, ...]  # what a record is of: a step, "PARAMETER", (epoch, step), ()
+Data: TypeAlias = Mapping[str, object]  # {metric: value}
+Metadata: TypeAlias = Mapping[str, str]  # {"unit": ..., "format": ...}
 
 
 class Verbosity:
@@ -45,31 +53,31 @@ class DLLoggerNotInitialized(Exception):
 class Backend(ABC):
     """Receives every record the logger lets through; subclasses decide where it goes."""
 
-    def __init__(self, verbosity):
+    def __init__(self, verbosity: int) -> None:
         self._verbosity = verbosity
 
     @property
-    def verbosity(self):
+    def verbosity(self) -> int:
         return self._verbosity
 
     @abstractmethod
-    def log(self, timestamp, elapsedtime, step, data):
+    def log(self, timestamp: datetime, elapsedtime: float, step: Step, data: Data) -> None:
         """timestamp: aware datetime; elapsedtime: seconds since the logger started (float)."""
 
     @abstractmethod
-    def metadata(self, timestamp, elapsedtime, metric, metadata):
+    def metadata(self, timestamp: datetime, elapsedtime: float, metric: str, metadata: Metadata) -> None:
         """Describe ``metric`` (e.g. {"unit": "s", "format": ":.3f"})."""
 
     @abstractmethod
-    def flush(self):
+    def flush(self) -> None:
         """Push buffered output to its destination."""
 
 
-def default_step_format(step):
+def default_step_format(step: Step) -> str:
     return str(step)
 
 
-def default_metric_format(metric, metadata, value):
+def default_metric_format(metric: str, metadata: Metadata, value: object) -> str:
     """'name : value unit', with the value formatted by metadata['format'] (e.g. ':.4f') if given."""
     fmt = metadata.get("format")
     text = ("{" + fmt + "}").format(value) if fmt else str(value)
@@ -77,116 +85,118 @@ def default_metric_format(metric, metadata, value):
     return f"{metric} : {text} {unit}" if unit else f"{metric} : {text}"
 
 
-def default_prefix_format(timestamp):
+def default_prefix_format(timestamp: datetime) -> str:
     return f"DLL {timestamp} - "
 
 
 class StdOutBackend(Backend):
     """Prints one line per record: 'DLL <datetime> - <step> <metric> : <value> <unit> ...'."""
 
-    def __init__(self, verbosity, step_format=default_step_format,
-                 metric_format=default_metric_format, prefix_format=default_prefix_format):
+    def __init__(self, verbosity: int, step_format: Callable[[Step], str] = default_step_format,
+                 metric_format: Callable[[str, Metadata, object], str] = default_metric_format,
+                 prefix_format: Callable[[datetime], str] = default_prefix_format) -> None:
         super().__init__(verbosity)
-        self._metadata = {}
+        self._metadata: dict[str, dict[str, str]] = {}
         self.step_format = step_format
         self.metric_format = metric_format
         self.prefix_format = prefix_format
 
-    def log(self, timestamp, elapsedtime, step, data):
+    def log(self, timestamp: datetime, elapsedtime: float, step: Step, data: Data) -> None:
         metrics = " ".join(self.metric_format(name, self._metadata.get(name, {}), value)
                            for name, value in data.items())
         print(f"{self.prefix_format(timestamp)}{self.step_format(step)} {metrics}")
 
-    def metadata(self, timestamp, elapsedtime, metric, metadata):
+    def metadata(self, timestamp: datetime, elapsedtime: float, metric: str, metadata: Metadata) -> None:
         self._metadata[metric] = dict(metadata)
 
-    def flush(self):
+    def flush(self) -> None:
         sys.stdout.flush()
 
 
-def _json_value(value):
+def _json_value(value: object) -> object:
     """JSON fallback for what json cannot write: tensors/numpy values -> numbers or lists, else str."""
-    if callable(getattr(value, "tolist", None)):
-        return value.tolist()
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
     return str(value)
 
 
 class JSONStreamBackend(Backend):
     """Appends 'DLLL {json}' lines to ``filename`` (truncated first unless ``append``)."""
 
-    def __init__(self, verbosity, filename, append=False):
+    def __init__(self, verbosity: int, filename: str | os.PathLike[str], append: bool = False) -> None:
         super().__init__(verbosity)
         self.filename = filename
         self._file = open(filename, "a" if append else "w", encoding="utf-8")
 
-    def _write(self, timestamp, elapsedtime, record):
+    def _write(self, timestamp: datetime, elapsedtime: float, record: Mapping[str, object]) -> None:
         header = {"timestamp": str(timestamp.timestamp()), "datetime": str(timestamp),
                   "elapsedtime": str(elapsedtime)}
         self._file.write("DLLL " + json.dumps({**header, **record}, default=_json_value) + "\n")
 
-    def log(self, timestamp, elapsedtime, step, data):
+    def log(self, timestamp: datetime, elapsedtime: float, step: Step, data: Data) -> None:
         self._write(timestamp, elapsedtime, {"type": "LOG", "step": step, "data": data})
 
-    def metadata(self, timestamp, elapsedtime, metric, metadata):
+    def metadata(self, timestamp: datetime, elapsedtime: float, metric: str, metadata: Metadata) -> None:
         self._write(timestamp, elapsedtime, {"type": "METADATA", "metric": metric, "metadata": metadata})
 
-    def flush(self):
+    def flush(self) -> None:
         self._file.flush()
 
 
 class Logger:
     """Sends each record to its backends; flushes them at interpreter exit."""
 
-    def __init__(self, backends):
+    def __init__(self, backends: Iterable[Backend]) -> None:
         self.backends = list(backends)
         self.start_time = datetime.now(UTC)
         atexit.register(self.flush)
 
-    def _now(self):
+    def _now(self) -> tuple[datetime, float]:
         timestamp = datetime.now(UTC)
         return timestamp, (timestamp - self.start_time).total_seconds()
 
-    def log(self, step, data, verbosity=Verbosity.DEFAULT):
+    def log(self, step: Step, data: Data, verbosity: int = Verbosity.DEFAULT) -> None:
         timestamp, elapsed = self._now()
         for backend in self.backends:
             if backend.verbosity >= verbosity:
                 backend.log(timestamp, elapsed, step, data)
 
-    def metadata(self, metric, metadata):
+    def metadata(self, metric: str, metadata: Metadata) -> None:
         timestamp, elapsed = self._now()
         for backend in self.backends:
             if backend.verbosity != Verbosity.OFF:
                 backend.metadata(timestamp, elapsed, metric, metadata)
 
-    def flush(self):
+    def flush(self) -> None:
         for backend in self.backends:
             backend.flush()
 
 
 # The module-level API uses one process-wide logger, as dllogger does.
-_logger = None
+_logger: Logger | None = None
 
 
-def init(backends):
+def init(backends: Iterable[Backend]) -> None:
     global _logger
     if _logger is not None:
         raise DLLLoggerAlreadyInitialized("dllogger.init() was already called in this process")
     _logger = Logger(backends)
 
 
-def _initialized_logger():
+def _initialized_logger() -> Logger:
     if _logger is None:
         raise DLLoggerNotInitialized("call dllogger.init(backends=[...]) first")
     return _logger
 
 
-def log(step, data, verbosity=Verbosity.DEFAULT):
+def log(step: Step, data: Data, verbosity: int = Verbosity.DEFAULT) -> None:
     _initialized_logger().log(step, data, verbosity)
 
 
-def metadata(metric, metadata):
+def metadata(metric: str, metadata: Metadata) -> None:
     _initialized_logger().metadata(metric, metadata)
 
 
-def flush():
+def flush() -> None:
     _initialized_logger().flush()

@@ -16,6 +16,7 @@ the launchers (scripts/launch_common.sh, `hpu_environment`), before the bridge i
 """
 
 import os
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -23,7 +24,7 @@ import torch
 BERT_5B_CONFIG_NAME = "bert_5b_config.json"
 
 
-def lazy_mode_requested(environ=os.environ) -> bool:
+def lazy_mode_requested(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether an HPU run of this process is in lazy mode, read from PT_HPU_LAZY_MODE before the bridge is
     imported (the bridge reads it at import): only "0" asks for compile (eager) mode.
 
@@ -35,7 +36,7 @@ def lazy_mode_requested(environ=os.environ) -> bool:
     return environ.get("PT_HPU_LAZY_MODE", "1") != "0"
 
 
-def is_bert_5b(config_file) -> bool:
+def is_bert_5b(config_file: str | os.PathLike[str]) -> bool:
     """The reference's test for the 5B workarounds (it looks at the config file's name, not the sizes)."""
     return BERT_5B_CONFIG_NAME in str(config_file)
 
@@ -44,13 +45,13 @@ class NoGraphBreaks:
     """Compile or eager mode, and any device other than an HPU: the step runs as written."""
 
     @contextmanager
-    def around_loss(self):
+    def around_loss(self) -> Iterator[None]:
         yield
 
-    def after_backward(self):
+    def after_backward(self) -> None:
         pass
 
-    def after_step(self):
+    def after_step(self) -> None:
         pass
 
 
@@ -58,26 +59,27 @@ class LazyModeGraphBreaks(NoGraphBreaks):
     """mark_step where the reference (1.9.0) puts it; `bert_5b` adds its memory cuts. The LM head's
     backward hook is registered on `model.cls.predictions` here."""
 
-    def __init__(self, model: torch.nn.Module, bert_5b: bool):
+    def __init__(self, model: torch.nn.Module, bert_5b: bool) -> None:
         import habana_frameworks.torch.core as htcore
         self.mark_step, self.bert_5b = htcore.mark_step, bert_5b
         if bert_5b:
             # The reference uses the legacy register_backward_hook; the full hook fires once the head's
             # input gradient is complete, which is the same cut between the head and the encoder.
-            model.cls.predictions.register_full_backward_hook(lambda module, grad_input, grad_output: self.mark_step())
+            model.get_submodule("cls.predictions").register_full_backward_hook(
+                lambda module, grad_input, grad_output: self.mark_step())
 
     @contextmanager
-    def around_loss(self):
+    def around_loss(self) -> Iterator[None]:
         if self.bert_5b:
             self.mark_step()
         yield
         if self.bert_5b:
             self.mark_step()
 
-    def after_backward(self):
+    def after_backward(self) -> None:
         self.mark_step()
 
-    def after_step(self):
+    def after_step(self) -> None:
         self.mark_step()
 
 

@@ -10,8 +10,13 @@ import functools
 import gc
 import os
 import time
+from collections.abc import Callable, Collection, Iterable
+from types import TracebackType
+from typing import Literal, Protocol, Self, TypeAlias
 
 import torch
+from torch._C._profiler import _ProfilerEvent
+from torch.profiler import profile
 
 from common.errors import InputError
 from training import gaudi
@@ -48,7 +53,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "hpu":
-        return str(torch.hpu.get_device_name())
+        return str(torch.hpu.get_device_name())  # type: ignore[attr-defined]  # torch.hpu: the Habana bridge's
     return "cpu"
 
 
@@ -62,7 +67,7 @@ def check_bf16_support(bf16: bool, supported: bool, device: str) -> None:
                          "(torch would emulate it, far slower)")
 
 
-def datasheet_tflops(name: str):
+def datasheet_tflops(name: str) -> float | None:
     """The datasheet bf16 peak for a device name, or None (not in the table, or in it without a figure, or a MIG
     slice of a GPU, e.g. "NVIDIA A100-SXM4-40GB MIG 3g.20gb": a fraction of the GPU's units, whose datasheet
     figure is the whole GPU's)."""
@@ -73,7 +78,7 @@ def datasheet_tflops(name: str):
 
 
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.4,
-                          shape: tuple = MEASURED_SHAPES[0]) -> float:
+                          shape: tuple[int, int, int] = MEASURED_SHAPES[0]) -> float:
     """Best TFLOP/s of repeated (m x k) @ (n x k)^T products over about `seconds` (at least MIN_REPEATS
     timings, after one warm-up); each timing is products_per_timing(device) products and one wait."""
     m, k, n = shape
@@ -102,7 +107,7 @@ def products_per_timing(device: torch.device) -> int:
     return CUDA_PRODUCTS_PER_TIMING if device.type == "cuda" else 1
 
 
-def wait_for(device: torch.device):
+def wait_for(device: torch.device) -> Callable[[], None]:
     """A function that returns once `device` has run what was queued: accelerators run ops asynchronously,
     so a timing must end with it. The CPU runs them before returning."""
     if device.type == "cuda":
@@ -112,7 +117,7 @@ def wait_for(device: torch.device):
     return lambda: None
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None = None) -> tuple:
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None = None) -> tuple[float, str]:
     """(TFLOP/s, where the figure comes from) for MFU."""
     if override is not None:
         return override, "--peak_tflops"
@@ -127,14 +132,14 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
 
 
 @functools.cache  # once per process (tests run the driver many times in one process)
-def measured_peak(device: torch.device, dtype: torch.dtype, threads: int) -> tuple:
+def measured_peak(device: torch.device, dtype: torch.dtype, threads: int) -> tuple[float, tuple[int, int, int]]:
     """(TFLOP/s, shape) of the fastest of MEASURED_SHAPES with `threads` torch threads."""
     measured = {shape: measure_matmul_tflops(device, dtype, shape=shape) for shape in MEASURED_SHAPES}
-    best = max(measured, key=measured.get)
+    best = max(measured, key=measured.__getitem__)
     return measured[best], best
 
 
-def device_memory_bytes(device: torch.device) -> tuple:
+def device_memory_bytes(device: torch.device) -> tuple[float | None, str]:
     """(bytes one rank may use, description). On the CPU: the machine's memory shared by its local ranks."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
@@ -147,6 +152,14 @@ def device_memory_bytes(device: torch.device) -> tuple:
     local_ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
     total = psutil.virtual_memory().total
     return total / local_ranks, f"CPU memory {total / 2**30:.1f} GiB shared by {local_ranks} local rank(s)"
+
+
+class PeakMemoryStats(Protocol):
+    """The peak-memory counters of a device's allocator (torch.cuda, habana_frameworks.torch.hpu)."""
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def max_memory_allocated(self) -> int: ...
 
 
 class PeakAllocated:
@@ -163,35 +176,42 @@ class PeakAllocated:
     `low_bytes` is the peak with them left out, `bytes` with them counted to the end: the true peak lies
     between. An address handed out again frees, in the count, the block it held."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.bytes, self.low_bytes, self.lost_bytes, self._profiler = device, None, None, 0, None
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bytes: int | None = None
+        self.low_bytes: int | None = None
+        self.lost_bytes = 0
+        self._profiler: profile | None = None
 
-    def _allocator(self):
+    def _allocator(self) -> PeakMemoryStats:
         if self.device.type == "hpu":
             import habana_frameworks.torch.hpu as hpu
             return hpu
         return torch.cuda
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         if self.device.type == "cpu":
-            from torch.profiler import ProfilerActivity, profile
+            from torch.profiler import ProfilerActivity
             # Kineto, the profiler's library, prints `USDT: ... profiler_start` and `profiler_stop` (trace markers
             # for tools) at every start and stop unless its log level, read once per process at its first start,
             # is above its highest, USDT (5). Its error lines (4) go too; the profiler's exceptions still come.
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+            self._profiler.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         else:
             self._allocator().reset_peak_memory_stats()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> Literal[False]:
         if self._profiler is None:
             self.bytes = self.low_bytes = self._allocator().max_memory_allocated()
             return False
-        self._profiler.__exit__(*exc)
+        self._profiler.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]  # as __enter__
+        results = self._profiler.profiler.kineto_results if self._profiler.profiler is not None else None
+        assert results is not None  # the profiler has stopped
         # In one nanosecond a free sorts before an allocation: an address freed and handed out again.
-        events = sorted(cpu_allocation_events(self._profiler.profiler.kineto_results.experimental_event_tree()))
+        events = sorted(cpu_allocation_events(results.experimental_event_tree()))
         unfreed = unfreed_blocks(events)
         lost = set(unfreed) - live_tensor_pointers()
         self.lost_bytes = sum(unfreed[ptr] for ptr in lost)
@@ -200,9 +220,14 @@ class PeakAllocated:
         return False
 
 
-def cpu_allocation_events(roots) -> list:
+# (time ns, bytes (negative: a free), address) of an allocation event.
+AllocationEvent: TypeAlias = tuple[int, int, int]
+
+
+def cpu_allocation_events(roots: Iterable[_ProfilerEvent]) -> list[AllocationEvent]:
     """(time ns, bytes (negative: a free), address) of each CPU allocation event in a profiler event tree."""
-    found, stack = [], list(roots)
+    found: list[AllocationEvent] = []
+    stack = list(roots)
     while stack:
         event = stack.pop()
         stack.extend(event.children)
@@ -212,9 +237,9 @@ def cpu_allocation_events(roots) -> list:
     return found
 
 
-def unfreed_blocks(events) -> dict:
+def unfreed_blocks(events: list[AllocationEvent]) -> dict[int, int]:
     """{address: bytes} of the blocks allocated in `events` (in time order) that have no free event after."""
-    live = {}
+    live: dict[int, int] = {}
     for _, change, ptr in events:
         if change > 0:
             live[ptr] = change  # an address handed out again: the block it held before was freed unseen
@@ -223,11 +248,12 @@ def unfreed_blocks(events) -> dict:
     return live
 
 
-def running_peak(events, left_out) -> int:
+def running_peak(events: list[AllocationEvent], left_out: Collection[int]) -> int:
     """Peak of the running sum of `events` (in time order), leaving out the blocks at the addresses in
     `left_out` (unfreed: their allocation is the last event at that address)."""
     last_allocation = {ptr: index for index, (_, change, ptr) in enumerate(events) if change > 0}
-    live, current, peak = {}, 0, 0
+    live: dict[int, int] = {}
+    current = peak = 0
     for index, (_, change, ptr) in enumerate(events):
         if change > 0:
             current -= live.pop(ptr, 0)  # the block this address held, if its free went unseen
@@ -242,9 +268,9 @@ def running_peak(events, left_out) -> int:
     return peak
 
 
-def live_tensor_pointers() -> set:
+def live_tensor_pointers() -> set[int]:
     """Addresses of the storages of every tensor the interpreter holds now (gc sees every tensor object)."""
-    pointers = set()
+    pointers: set[int] = set()
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor):  # not isinstance: it would read each object's __class__
             try:

@@ -10,6 +10,7 @@ per sequence, h hidden, I intermediate, H heads, L layers, V padded vocabulary, 
 """
 
 import dataclasses
+from typing import Any, TypedDict
 
 from modeling import BertConfig, count_parameters
 
@@ -75,7 +76,7 @@ def activation_bytes(config: BertConfig, micro_batch: int, seq_len: int, max_pre
     return outside_encoder + chunk_inputs * element_bytes * tokens + min(checkpoint_interval, layers) * per_layer
 
 
-def bf16_enabled(ds_config: dict) -> bool:
+def bf16_enabled(ds_config: dict[str, Any]) -> bool:
     return bool((ds_config.get("bf16") or {}).get("enabled", False))
 
 
@@ -97,7 +98,7 @@ class TrainingSetup:
     accumulation_steps: int = 1  # micro-batches per optimizer step
 
     @staticmethod
-    def accumulation_from_deepspeed_config(ds_config: dict, world_size: int) -> int:
+    def accumulation_from_deepspeed_config(ds_config: dict[str, Any], world_size: int) -> int:
         """Micro-batches per step as pretraining reads the JSON (common/deepspeed_config.check): from the
         global batch when it is set, else the JSON's gradient_accumulation_steps, else 1."""
         micro, total = int(ds_config["train_micro_batch_size_per_gpu"]), ds_config.get("train_batch_size")
@@ -106,7 +107,7 @@ class TrainingSetup:
         return int(ds_config.get("gradient_accumulation_steps") or 1)
 
     @classmethod
-    def from_deepspeed_config(cls, ds_config: dict, world_size: int, seq_len: int, max_pred: int,
+    def from_deepspeed_config(cls, ds_config: dict[str, Any], world_size: int, seq_len: int, max_pred: int,
                               checkpoint_interval: int = 0, optimizer: str = "lans",
                               on_cpu: bool = False) -> "TrainingSetup":
         zero = ds_config.get("zero_optimization", {}) or {}
@@ -120,7 +121,21 @@ class TrainingSetup:
                    accumulation_steps=cls.accumulation_from_deepspeed_config(ds_config, world_size))
 
 
-def device_memory(config: BertConfig, setup: TrainingSetup) -> dict:
+class MemoryPlan(TypedDict):
+    """device_memory's prediction: bytes per device, by part (see there)."""
+    parameters: float
+    master_weights: float
+    optimizer_states: float
+    buffers: float
+    activations: float
+    held_gradients: float
+    gradients: float
+    peak_transient: float
+    peak_moment: str  # which moment of a step the peak is at
+    total: float
+
+
+def device_memory(config: BertConfig, setup: TrainingSetup) -> MemoryPlan:
     """Predicted bytes per device, by part, and the peak ("total").
 
     Held all the time: the model's weights (bf16, or fp32 without bf16), the fp32 master weights (bf16
@@ -144,29 +159,28 @@ def device_memory(config: BertConfig, setup: TrainingSetup) -> dict:
     element = 2 if setup.bf16 else 4
     shards = setup.world_size if setup.zero_stage >= 1 else 1
     partition = params / shards
-    parts = {"parameters": element * params,
-             "master_weights": 4 * partition if setup.bf16 else 0,
-             "optimizer_states": MOMENT_BYTES * partition}
-    parts["buffers"] = 0
+    weights, master_weights = element * params, 4 * partition if setup.bf16 else 0
+    optimizer_states = MOMENT_BYTES * partition
+    buffers = 0
     if setup.zero_stage >= 1 and setup.contiguous_gradients:
-        parts["buffers"] = element * setup.reduce_bucket_size * (2 if setup.overlap_comm else 1)
-    parts["activations"] = activation_bytes(config, setup.micro_batch, setup.seq_len, setup.max_pred, element,
-                                            setup.checkpoint_interval)
+        buffers = element * setup.reduce_bucket_size * (2 if setup.overlap_comm else 1)
+    activations = activation_bytes(config, setup.micro_batch, setup.seq_len, setup.max_pred, element,
+                                   setup.checkpoint_interval)
     masked_rows = setup.micro_batch * setup.max_pred
     gradients = element * (partition if setup.zero_stage == 2 else params)
-    parts["held_gradients"] = gradients if setup.accumulation_steps > 1 else 0
-    head_backward = (parts["activations"] + (element + LOSS_BYTES_PER_LOGIT) * masked_rows * config.padded_vocab_size
-                     + element * config.padded_vocab_size * config.hidden_size + parts["held_gradients"])
+    held_gradients = gradients if setup.accumulation_steps > 1 else 0
+    head_backward = (activations + (element + LOSS_BYTES_PER_LOGIT) * masked_rows * config.padded_vocab_size
+                     + element * config.padded_vocab_size * config.hidden_size + held_gradients)
     fp32_gradients = 4 * partition if (setup.bf16 or setup.zero_stage >= 1) else 0
     chunked = setup.on_cpu and setup.optimizer in CPU_CHUNKED_OPTIMIZERS
     optimizer_step = (gradients + fp32_gradients
                       + (0 if chunked else OPTIMIZER_TEMPORARIES[setup.optimizer] * 4 * partition))
-    parts["gradients"] = gradients
-    parts["peak_transient"] = max(head_backward, optimizer_step)
-    parts["peak_moment"] = "backward (MLM head)" if head_backward >= optimizer_step else "optimizer step"
-    parts["total"] = (parts["parameters"] + parts["master_weights"] + parts["optimizer_states"]
-                      + parts["buffers"] + parts["peak_transient"])
-    return parts
+    peak_transient = max(head_backward, optimizer_step)
+    return {"parameters": weights, "master_weights": master_weights,
+            "optimizer_states": optimizer_states, "buffers": buffers, "activations": activations,
+            "held_gradients": held_gradients, "gradients": gradients, "peak_transient": peak_transient,
+            "peak_moment": "backward (MLM head)" if head_backward >= optimizer_step else "optimizer step",
+            "total": weights + master_weights + optimizer_states + buffers + peak_transient}
 
 
 # The devices the planner knows, by the name scripts/plan_memory.py's --device takes: (label, memory of one

@@ -15,18 +15,18 @@ process group (tests/test_zero_partitions.py compares it with a live engine's at
 scripts/plan_zero_layout.py uses it for 128 devices.
 """
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from lans import TensorSegments
+from lans import AdaptiveMomentOptimizer, TensorSegments
 
 
 class Fragment(NamedTuple):
     """The piece of one model parameter that this rank's partition holds."""
-    index: int            # position of the parameter in its group (DeepSpeed's order, = tensor id)
+    param_index: int      # position of the parameter in its group (DeepSpeed's order, = tensor id)
     param: torch.Tensor   # the model parameter (training dtype)
     partition_start: int  # offset of the piece in the flat partition
     param_start: int      # offset of the piece in the flattened parameter
@@ -36,13 +36,13 @@ class Fragment(NamedTuple):
 class GroupPartition(NamedTuple):
     """One param group on this rank: its flat fp32 partition (the client optimizer's parameter)."""
     flat: torch.Tensor
-    params: list          # every model parameter of the group, on all ranks together, in order
-    fragments: list       # Fragment for each parameter this rank holds a piece of
+    params: list[torch.Tensor]  # every model parameter of the group, on all ranks together, in order
+    fragments: list[Fragment]   # Fragment for each parameter this rank holds a piece of
 
 
 class PlannedFragment(NamedTuple):
-    """A Fragment as planned, without the tensor: the piece of parameter ``index`` that one rank holds."""
-    index: int
+    """A Fragment as planned, without the tensor: the piece of parameter ``param_index`` that one rank holds."""
+    param_index: int
     partition_start: int
     param_start: int
     numel: int
@@ -87,7 +87,7 @@ _LAYOUTS = (("bit16_groups", "single_partition_of_fp32_groups"),  # DeepSpeedZer
             ("bf16_groups", "fp32_groups_flat_partition"))         # BF16_Optimizer
 
 
-def group_partitions(engine_optimizer) -> list | None:
+def group_partitions(engine_optimizer: object) -> list[GroupPartition] | None:
     """The GroupPartition of every param group, or None when the engine's optimizer partitions nothing
     (ZeRO-0: the client optimizer itself or a wrapper holding whole tensors)."""
     for params_attr, flat_attr in _LAYOUTS:
@@ -97,7 +97,7 @@ def group_partitions(engine_optimizer) -> list | None:
     return None
 
 
-def _fragments(params) -> list:
+def _fragments(params: Iterable[torch.Tensor]) -> list[Fragment]:
     fragments = []
     for index, param in enumerate(params):
         mapping = getattr(param, "_hp_mapping", None)
@@ -107,24 +107,29 @@ def _fragments(params) -> list:
     return fragments
 
 
-def tensor_segments(partitions: list) -> dict:
+def tensor_segments(partitions: list[GroupPartition]) -> dict[torch.Tensor, TensorSegments]:
     """{flat partition: TensorSegments} for lans.AdaptiveMomentOptimizer.set_tensor_segments."""
-    return {part.flat: TensorSegments(len(part.params), tuple((f.partition_start, f.numel, f.index)
+    return {part.flat: TensorSegments(len(part.params), tuple((f.partition_start, f.numel, f.param_index)
                                                               for f in part.fragments))
             for part in partitions}
 
 
-def data_parallel_sum(engine_optimizer):
+class DataParallelOptimizer(Protocol):
+    """A DeepSpeed ZeRO optimizer (DeepSpeedZeroOptimizer, BF16_Optimizer), as far as this module reads it."""
+    dp_process_group: dist.ProcessGroup
+
+
+def data_parallel_sum(engine_optimizer: DataParallelOptimizer) -> Callable[[torch.Tensor], None]:
     """all_reduce_sum for the client optimizer: one all-reduce (SUM) over the data-parallel group."""
     group = engine_optimizer.dp_process_group
 
-    def all_reduce_sum(tensor):
+    def all_reduce_sum(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
     return all_reduce_sum
 
 
-def use_tensor_blocks(engine_optimizer, client_optimizer) -> bool:
+def use_tensor_blocks(engine_optimizer: DataParallelOptimizer, client_optimizer: AdaptiveMomentOptimizer) -> bool:
     """Make a LANS/NVLAMB client optimizer compute its norms per model tensor under ZeRO-1/2.
     Returns False (nothing to do) when nothing is partitioned: its blocks are whole tensors already."""
     partitions = group_partitions(engine_optimizer)
