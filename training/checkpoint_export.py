@@ -6,7 +6,9 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +27,7 @@ from training.checkpointing import (
 )
 
 
-def consolidated_state_dict(output_dir, tag=None) -> dict:
+def consolidated_state_dict(output_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, torch.Tensor]:
     """fp32 module weights of a complete checkpoint, keyed as modeling.py's state_dict, for
     fine-tuning or export; no engine or process group needed, every file read with weights_only=True.
 
@@ -35,15 +37,16 @@ def consolidated_state_dict(output_dir, tag=None) -> dict:
     return consolidated_checkpoint(output_dir, tag)[1]
 
 
-def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
+def consolidated_checkpoint(output_dir: str | os.PathLike[str],
+                            tag: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(the model config recorded in the manifest, consolidated_state_dict(output_dir, tag))."""
-    output_dir = Path(output_dir)
+    output_path = Path(output_dir)
     if tag is None:
-        chosen = choose_tag(output_dir)
+        chosen = choose_tag(output_path)
         if chosen is None:
-            raise CheckpointError(f"no checkpoint in {output_dir}")
+            raise CheckpointError(f"no checkpoint in {output_path}")
         tag = chosen[0]
-    tag_dir = output_dir / str(tag)
+    tag_dir = output_path / str(tag)
     manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot export checkpoint {tag_dir}: {reason}")
@@ -54,7 +57,7 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
         return manifest["model_config"], {name: value.detach().float() if value.is_floating_point()
                                           else value.detach() for name, value in module.items()}
     states = load_partition_states(partition_files)
-    weights = {}
+    weights: dict[str, torch.Tensor] = {}
     for group, shapes in enumerate(model_states["param_shapes"]):
         weights.update(_split_group(states, group, shapes, [state[FP32_PARTITIONS][group] for state in states]))
     for name, source in (model_states.get("shared_params") or {}).items():
@@ -64,7 +67,7 @@ def consolidated_checkpoint(output_dir, tag=None) -> tuple[dict, dict]:
     return manifest["model_config"], {name: weights[name] for name in module}
 
 
-def saved_optimizer_states(output_dir, tag: str) -> list[dict]:
+def saved_optimizer_states(output_dir: str | os.PathLike[str], tag: str) -> list[dict[str, Any]]:
     """The optimizer state of checkpoint <output_dir>/<tag> as saved, read without an engine: ZeRO-1/2,
     every rank's state dict in rank order (the client optimizer's own under "base_optimizer_state");
     ZeRO-0, the one state dict of the model states file."""
@@ -75,7 +78,8 @@ def saved_optimizer_states(output_dir, tag: str) -> list[dict]:
     return [load_weights_only(tag_dir / "mp_rank_00_model_states.pt")["optimizer"]]
 
 
-def _split_group(states: list, group: int, shapes: dict, pieces: list) -> dict:
+def _split_group(states: list[dict[str, Any]], group: int, shapes: Mapping[str, torch.Size],
+                 pieces: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """{name: full tensor} of a param group (see param_offsets): every parameter, for an export."""
     flat = torch.cat(pieces)
     return {name: flat[offset:offset + math.prod(shape)].view(shape).clone()
@@ -89,7 +93,7 @@ def read_on_the_cpu() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def export_main(argv=None) -> int:
+def export_main(argv: list[str] | None = None) -> int:
     """`python -m training.checkpointing export --output_dir D [--tag T] --out model.pt`: one clear error
     line and exit status 1 on failure."""
     parser = argparse.ArgumentParser(description="Write a checkpoint's fp32 weights as a plain state dict.")
@@ -115,7 +119,7 @@ def export_main(argv=None) -> int:
     return 0
 
 
-def _export_from_s3(url: str, tag: str | None, endpoint: str | None) -> dict:
+def _export_from_s3(url: str, tag: str | None, endpoint: str | None) -> dict[str, torch.Tensor]:
     """consolidated_state_dict of a checkpoint on S3, downloaded into a temporary directory."""
     import tempfile
     with tempfile.TemporaryDirectory(prefix="checkpoint-export-") as local:

@@ -2,7 +2,11 @@
 file read with torch.load(weights_only=True), and on another number of data-parallel ranks than the saving run's,
 the ZeRO-1/2 optimizer state re-partitioned for this run."""
 
+import contextlib
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -10,6 +14,7 @@ from training.checkpointing import (
     BASE_STATE,
     FP32_PARTITIONS,
     CheckpointError,
+    Manifest,
     check_compatible,
     load_partition_states,
     load_weights_only,
@@ -19,31 +24,39 @@ from training.checkpointing import (
     shadowed,
     zero_partition_files,
 )
+from training.zero_partitions import GroupPartition
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
-def check_resumable(output_dir, tag: str, model_config: dict) -> None:
+def check_resumable(output_dir: str | os.PathLike[str], tag: str, model_config: Mapping[str, Any] | None) -> None:
     """What load_checkpoint checks first, from the manifest alone (before an engine is built): CheckpointError
     when <output_dir>/<tag> is not a complete checkpoint or was saved with another model config."""
     tag_dir = Path(output_dir) / str(tag)
+    check_compatible(tag_dir, _complete_manifest(tag_dir), model_config)
+
+
+def _complete_manifest(tag_dir: Path) -> Manifest:
+    """The manifest of checkpoint tag_dir; CheckpointError when it is not a complete checkpoint."""
     manifest, reason = read_manifest(tag_dir)
     if manifest is None:
         raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
-    check_compatible(tag_dir, manifest, model_config)
+    return manifest
 
 
-def saved_client_state(output_dir, tag: str) -> dict:
+def saved_client_state(output_dir: str | os.PathLike[str], tag: str) -> dict[str, Any]:
     """The client_state that checkpoint <output_dir>/<tag> was saved with (the keys its manifest lists), read
     without an engine: DeepSpeed's model states file is mapped, and its weights are not read."""
     tag_dir = Path(output_dir) / str(tag)
-    manifest, reason = read_manifest(tag_dir)
-    if manifest is None:
-        raise CheckpointError(f"cannot load checkpoint {tag_dir}: {reason}")
+    manifest = _complete_manifest(tag_dir)
     states = load_weights_only(tag_dir / "mp_rank_00_model_states.pt", mmap=True)
     return {key: states[key] for key in manifest["client_state_keys"]}
 
 
-def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: int, *,
-                    model_config: dict | None = None, say=None) -> tuple[dict, dict | None]:
+def load_checkpoint(engine: "DeepSpeedEngine", output_dir: str | os.PathLike[str], tag: str, global_rank: int,
+                    world_size: int, *, model_config: Mapping[str, Any] | None = None,
+                    say: Callable[[str], None] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Collective (DeepSpeed's load is). Loads everything checkpoint <output_dir>/<tag> holds into engine:
     weights, optimizer state, LR scheduler and DeepSpeed's step counters. Returns (client_state, rank_state).
     global_rank, world_size: this process's in the data-parallel process group (dist.get_rank(),
@@ -61,8 +74,8 @@ def load_checkpoint(engine, output_dir, tag: str, global_rank: int, world_size: 
     None: the per-rank RNG states belong to ranks of the old world.
     client_state holds exactly the keys given to save_checkpoint."""
     tag_dir = Path(output_dir) / str(tag)
-    check_resumable(output_dir, tag, model_config)
-    manifest = read_manifest(tag_dir)[0]
+    manifest = _complete_manifest(tag_dir)
+    check_compatible(tag_dir, manifest, model_config)
     other_world = manifest["world_size"] != world_size
     if other_world:
         _check_repartition_possible(tag_dir, manifest, engine, world_size)
@@ -92,7 +105,7 @@ def _is_partitioned(tag_dir: Path) -> bool:
     return bool(zero_partition_files(tag_dir))
 
 
-def _check_repartition_possible(tag_dir: Path, manifest: dict, engine, world: int) -> None:
+def _check_repartition_possible(tag_dir: Path, manifest: Manifest, engine: "DeepSpeedEngine", world: int) -> None:
     """One clear error, before anything is loaded, when the optimizer state cannot move to this run."""
     from training import zero_partitions
     saved_partitioned = _is_partitioned(tag_dir)
@@ -105,14 +118,14 @@ def _check_repartition_possible(tag_dir: Path, manifest: dict, engine, world: in
             f"the optimizer state moves between ZeRO-1/2 layouts or between ZeRO-0 layouts only")
 
 
-def _weights_only_loads(engine):
+def _weights_only_loads(engine: "DeepSpeedEngine") -> contextlib.AbstractContextManager[None]:
     """DeepSpeed's TorchCheckpointEngine.load calls torch.load(weights_only=False), i.e. full pickle.
     Every checkpoint read of engine.load_checkpoint goes through engine.checkpoint_engine.load, so
     shadowing it makes those reads weights_only=True (see load_weights_only)."""
     return shadowed(engine, "load", load_weights_only)
 
 
-def _read_flat_range(pieces: list, start: int, out: torch.Tensor) -> None:
+def _read_flat_range(pieces: list[torch.Tensor], start: int, out: torch.Tensor) -> None:
     """Copy values start .. start + out.numel() of the concatenation of `pieces` into `out` (1-D),
     reading only the pieces that overlap them."""
     end, piece_start = start + out.numel(), 0
@@ -125,7 +138,7 @@ def _read_flat_range(pieces: list, start: int, out: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
+def _repartition_optimizer_state(engine: "DeepSpeedEngine", tag_dir: Path) -> None:
     """Fill this rank's ZeRO-1/2 partitions from a checkpoint written by another number of ranks: each
     fragment of this run's partitions (DeepSpeed's own metadata, training/zero_partitions.py) of the fp32
     master weights and of every partitioned optimizer state tensor (LANS/Adam moments) is copied from the
@@ -136,6 +149,7 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
     states = load_partition_states(zero_partition_files(tag_dir), mmap=True)
     param_shapes = load_weights_only(tag_dir / "mp_rank_00_model_states.pt", mmap=True)["param_shapes"]
     parts = zero_partitions.group_partitions(engine.optimizer)
+    assert parts is not None  # _check_repartition_possible: this run partitions its optimizer state too
     client = engine.optimizer.optimizer
     if not all(isinstance(state[BASE_STATE], dict) for state in states):
         raise CheckpointError(f"{tag_dir}: optimizer state saved with zero_optimization.elastic_checkpoint; "
@@ -163,9 +177,9 @@ def _repartition_optimizer_state(engine, tag_dir: Path) -> None:
         client.param_groups[group].update({k: v for k, v in saved_group.items() if k != "params"})
 
 
-def _fill_fragments(part, offsets: list, pieces: list, flat: torch.Tensor) -> None:
+def _fill_fragments(part: GroupPartition, offsets: list[int], pieces: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy the parts of the saved group (the concatenation of `pieces`, parameters at `offsets`) that
     this rank holds into `flat`, shaped like its partition."""
     for fragment in part.fragments:
-        _read_flat_range(pieces, offsets[fragment.index] + fragment.param_start,
+        _read_flat_range(pieces, offsets[fragment.param_index] + fragment.param_start,
                          flat.narrow(0, fragment.partition_start, fragment.numel))

@@ -4,9 +4,13 @@ manifest, then `latest`. S3 cannot rename, so this order is the commit: `latest`
 tag's files and manifest are all there. Resume and export fetch the checkpoint they need."""
 
 import json
+import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from common import storage
 from common.atomic_write import write_text_atomically
@@ -14,6 +18,7 @@ from training.checkpointing import (
     LATEST_NAME,
     MANIFEST_NAME,
     CheckpointError,
+    Manifest,
     check_manifest,
     choose_among,
     delete_tag_dir,
@@ -24,23 +29,24 @@ from training.checkpointing import (
 )
 
 
-def _remote_scan(store) -> tuple[list, dict, str | None]:
+def _remote_scan(store: storage.S3Store) -> tuple[list[tuple[str, Manifest]], dict[str, str], str | None]:
     """(complete checkpoints newest first, {tag: reason} of the others, `latest`) under an S3 prefix."""
-    sizes = {}
+    sizes: dict[str, dict[str, int]] = {}  # {tag: {name in the tag: bytes}}
     for remote in store.list_objects(recursive=True):
         tag, _, name = remote.name.partition("/")
         if name:
             sizes.setdefault(tag, {})[name] = remote.size
-    complete, broken = [], {}
+    complete: list[tuple[str, Manifest]] = []
+    broken: dict[str, str] = {}
     for tag, files in sorted(sizes.items()):
         if MANIFEST_NAME in files:
-            manifest, reason = check_manifest(store.get_bytes(f"{tag}/{MANIFEST_NAME}").decode(), files)
+            found = check_manifest(store.get_bytes(f"{tag}/{MANIFEST_NAME}").decode(), files)
         else:
-            manifest, reason = None, f"no {MANIFEST_NAME} (its upload was interrupted)"
-        if manifest is not None:
-            complete.append((tag, manifest))
+            found = None, f"no {MANIFEST_NAME} (its upload was interrupted)"
+        if found[0] is not None:
+            complete.append((tag, found[0]))
         elif any(name.endswith(".pt") for name in files):
-            broken[tag] = reason
+            broken[tag] = found[1]
     complete.sort(key=lambda item: tag_order_key(*item), reverse=True)
     latest = store.get_bytes(LATEST_NAME).decode().strip() if store.exists(LATEST_NAME) else None
     if latest is not None and latest not in broken and latest not in dict(complete):
@@ -48,11 +54,12 @@ def _remote_scan(store) -> tuple[list, dict, str | None]:
     return complete, broken, latest
 
 
-def fetch_checkpoint(store, local_dir, tag: str | None = None) -> str | None:
+def fetch_checkpoint(store: storage.S3Store, local_dir: str | os.PathLike[str], tag: str | None = None) -> str | None:
     """Download a complete checkpoint from an S3 prefix into local_dir, every file verified, the
     manifest and then `latest` last; returns its tag. tag None: the one resume would use (the rules
     of find_resume_tag), or None when the prefix holds no checkpoint."""
     complete, broken, latest = _remote_scan(store)
+    chosen: tuple[str, Manifest] | None
     if tag is None:
         chosen = choose_among(store.url(), complete, broken, latest)
     elif tag in dict(complete):
@@ -70,11 +77,11 @@ def fetch_checkpoint(store, local_dir, tag: str | None = None) -> str | None:
     return tag
 
 
-def upload_checkpoint(store, local_dir, tag: str) -> None:
+def upload_checkpoint(store: storage.S3Store, local_dir: str | os.PathLike[str], tag: str) -> None:
     """Copy a complete local checkpoint to S3 in commit order (see above). An earlier upload of the
     same tag loses its manifest first, so that its old and new files are never taken as complete."""
     tag_dir = Path(local_dir) / tag
-    manifest = json.loads((tag_dir / MANIFEST_NAME).read_text())
+    manifest: Manifest = json.loads((tag_dir / MANIFEST_NAME).read_text())
     store.delete([f"{tag}/{MANIFEST_NAME}"])
     for name in sorted(manifest["files"]):
         store.upload(tag_dir / name, f"{tag}/{name}")
@@ -82,7 +89,7 @@ def upload_checkpoint(store, local_dir, tag: str) -> None:
     store.put_bytes(LATEST_NAME, tag.encode())
 
 
-def prune_remote_checkpoints(store, keep_last_n: int) -> list[str]:
+def prune_remote_checkpoints(store: storage.S3Store, keep_last_n: int) -> list[str]:
     """prune_checkpoints for an S3 prefix: each doomed tag loses its manifest first, then its files."""
     complete, _, latest = _remote_scan(store)
     doomed = [tag for tag, _ in complete[keep_last_n:] if tag != latest]
@@ -101,17 +108,20 @@ class CheckpointUploader:
     rank if it failed; call it before the next save and before the end of the run. After a copy, the
     staging directory keeps only the newest checkpoint; on S3, keep_last_n applies (0 keeps all)."""
 
-    def __init__(self, store, local_dir, keep_last_n: int = 0):
+    def __init__(self, store: storage.S3Store, local_dir: str | os.PathLike[str], keep_last_n: int = 0) -> None:
         self.store, self.local_dir, self.keep_last_n = store, Path(local_dir), keep_last_n
-        self._thread, self._error = None, None
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
 
-    def prepare(self, device, resume: bool, tag: str | None = None, say=None) -> None:
+    def prepare(self, device: torch.device, resume: bool, tag: str | None = None,
+                say: Callable[[str], None] | None = None) -> None:
         """Collective, before resume: rank 0 empties the staging directory and, when resuming, fetches
         into it the checkpoint that resume would use (or `tag`). Except when the staging directory holds
         a complete checkpoint that a run on this prefix saved but did not finish copying (a preemption's
         last save, its upload cut short) and that resume should use (`tag`, or newer than S3's newest):
         that one is uploaded first and kept (say(message) is told), not thrown away."""
-        error, unfinished = None, None
+        error: str | None = None
+        unfinished: str | None = None
         if rank_and_world()[0] == 0:
             try:
                 unfinished = self._unfinished_upload(tag) if resume else None
@@ -189,5 +199,5 @@ class CheckpointUploader:
         error, self._error = self._error, None
         return error
 
-    def finish(self, device) -> None:
+    def finish(self, device: torch.device) -> None:
         raise_if_any_rank_failed(self.wait(), "copying a checkpoint to S3", device)

@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import pickle
 import random
 import re
@@ -41,7 +42,10 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import torch
@@ -49,11 +53,37 @@ import torch.distributed as dist
 
 from common.atomic_write import fsync_path, write_atomically, write_text_atomically
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
 MANIFEST_NAME = "complete.json"
 LATEST_NAME = "latest"
 MANIFEST_FORMAT_VERSION = 1
 _MANIFEST_KEYS = {"format_version", "tag", "world_size", "model_config", "model_config_sha256",
                   "client_state_keys", "files", "saved_at_unix"}
+
+
+class OptimizerLayout(TypedDict):
+    """How a checkpoint's optimizer state is cut up (the manifest's "optimizer_layout")."""
+    zero_stage: int
+    optimizer_wrapper: str  # the class name of the engine's optimizer
+    partitioned: bool       # ZeRO-1/2 partition files (training/zero_partitions.py)
+    bf16: bool
+
+
+class Manifest(TypedDict):
+    """A checkpoint's complete.json (commit_checkpoint writes it; check_manifest requires _MANIFEST_KEYS)."""
+    format_version: int
+    tag: str
+    world_size: int
+    optimizer_layout: NotRequired[OptimizerLayout]
+    model_config: dict[str, Any]
+    model_config_sha256: str
+    client_state_keys: list[str]
+    files: dict[str, int]  # {name relative to the tag directory: bytes}
+    deepspeed_version: NotRequired[str]
+    torch_version: NotRequired[str]
+    saved_at_unix: float
 
 
 class CheckpointError(RuntimeError):
@@ -68,7 +98,7 @@ def rank_state_name(global_rank: int) -> str:
     return f"state_{global_rank}.pt"
 
 
-def model_config_hash(model_config: dict) -> str:
+def model_config_hash(model_config: Mapping[str, Any]) -> str:
     """sha256 of the config's canonical JSON (sorted keys), so key order does not matter."""
     return hashlib.sha256(json.dumps(model_config, sort_keys=True).encode()).hexdigest()
 
@@ -81,7 +111,7 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def raise_if_any_rank_failed(error: str | None, what: str, device) -> None:
+def raise_if_any_rank_failed(error: str | None, what: str, device: torch.device | str | None) -> None:
     """Collective: every rank calls it. Acts as a barrier and turns one rank's failure into an
     error on all ranks (a rank that raised alone would leave the others hanging in the next barrier).
     device: where the backend can reduce (the engine's device: nccl and hccl need device tensors)."""
@@ -99,14 +129,15 @@ def raise_if_any_rank_failed(error: str | None, what: str, device) -> None:
 
 # --------------------------------------------------------------------------- RNG state
 
-def capture_rng_state(device=None) -> dict:
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """Every RNG state of this process as ints, lists and tensors only, so that the file can be read
     back with torch.load(weights_only=True). device: the run's (torch.device; None: the CPU). A CUDA run
     saves its own device's generator (the only one its ranks draw from: each uses cuda:LOCAL_RANK of the
     devices the launcher shows to every local rank); a CPU run saves none, also where CUDA is available, so
     that a CPU checkpoint resumes on a machine without CUDA (and no CUDA context is created for it)."""
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    state = {
+    legacy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))  # not the dict form
+    _, np_keys, np_pos, np_has_gauss, np_gauss = legacy_state
+    state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"keys": np_keys.tolist(), "pos": int(np_pos),
                   "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
@@ -120,7 +151,7 @@ def capture_rng_state(device=None) -> dict:
     return state
 
 
-def own_cuda_rng_state(saved, device_index: int):
+def own_cuda_rng_state(saved: torch.Tensor | list[torch.Tensor], device_index: int) -> torch.Tensor:
     """The CUDA generator state a rank on cuda:device_index restores from a checkpoint's "cuda" entry: the
     entry itself (one device's, capture_rng_state), or, in checkpoints written before 2026-11-27 (the states of
     every device the rank could see, torch.cuda.get_rng_state_all), the one of its own device index."""
@@ -132,7 +163,7 @@ def own_cuda_rng_state(saved, device_index: int):
     return saved[device_index]
 
 
-def restore_rng_state(state: dict, device=None) -> None:
+def restore_rng_state(state: Mapping[str, Any], device: torch.device | None = None) -> None:
     """Inverse of capture_rng_state (device: the run's, as there). A device RNG state saved on another device
     type is an error, since resuming would silently change the random stream."""
     version, internal, gauss_next = state["python"]
@@ -153,17 +184,18 @@ def restore_rng_state(state: dict, device=None) -> None:
         hpu_random.set_rng_state(state["hpu"])
 
 
-def _hpu_random_module():
+def _hpu_random_module() -> ModuleType | None:
     # Only when the driver has already imported the Habana bridge (--use_hpu); never import it here.
     if "habana_frameworks.torch" not in sys.modules:
         return None
     import habana_frameworks.torch.hpu.random as hpu_random
-    return hpu_random
+    return cast(ModuleType, hpu_random)
 
 
 # --------------------------------------------------------------------------- save
 
-def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state: dict) -> None:
+def save_checkpoint(engine: "DeepSpeedEngine", output_dir: str | os.PathLike[str], tag: str,
+                    client_state: dict[str, Any], rank_state: dict[str, Any]) -> None:
     """Collective: every rank calls it with the same tag and client_state.
 
     client_state must hold "model_config" (a dict); it goes into DeepSpeed's model_states file.
@@ -172,16 +204,17 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     checkpoints and `latest` are then untouched."""
     if "model_config" not in client_state:
         raise CheckpointError("client_state has no 'model_config': resume could not check the model")
-    output_dir, tag = Path(output_dir), str(tag)
+    output_path, tag = Path(output_dir), str(tag)
     rank, world = rank_and_world()
-    tag_dir = output_dir / tag
-    raise_if_any_rank_failed(_prepare_tag_dir(output_dir, tag) if rank == 0 else None,
+    tag_dir = output_path / tag
+    raise_if_any_rank_failed(_prepare_tag_dir(output_path, tag) if rank == 0 else None,
                               f"preparing checkpoint {tag_dir}", engine.device)
-    error, deepspeed_write_errors = None, []
+    error: str | None = None
+    deepspeed_write_errors: list[OSError] = []
     try:
         # save_latest=False: DeepSpeed would write `latest` non-atomically and before our manifest.
         with _file_object_saves(engine, deepspeed_write_errors):
-            engine.save_checkpoint(str(output_dir), tag, client_state=client_state, save_latest=False)
+            engine.save_checkpoint(str(output_path), tag, client_state=client_state, save_latest=False)
         if deepspeed_write_errors:
             raise deepspeed_write_errors[0]
         # Every file of the tag goes through write_atomically, which fsyncs it and the directory;
@@ -198,7 +231,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
     error = None
     if rank == 0:
         try:
-            commit_checkpoint(output_dir, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine),
+            commit_checkpoint(output_path, tag, world, client_state, fsync_files=not _is_plain_torch_engine(engine),
                               layout=_optimizer_layout(engine))
         except OSError as exc:
             error = f"cannot commit checkpoint {tag_dir}: {exc}"
@@ -206,7 +239,7 @@ def save_checkpoint(engine, output_dir, tag: str, client_state: dict, rank_state
 
 
 @contextlib.contextmanager
-def shadowed(engine, method: str, replacement):
+def shadowed(engine: "DeepSpeedEngine", method: str, replacement: Callable[..., object]) -> Iterator[None]:
     """Replace engine.checkpoint_engine.<method> on the instance for the duration, if it is DeepSpeed's
     plain TorchCheckpointEngine (other checkpoint engines have their own I/O and are left alone)."""
     checkpoint_engine = engine.checkpoint_engine
@@ -220,14 +253,14 @@ def shadowed(engine, method: str, replacement):
         delattr(checkpoint_engine, method)
 
 
-def _is_plain_torch_engine(engine) -> bool:
+def _is_plain_torch_engine(engine: "DeepSpeedEngine") -> bool:
     """DeepSpeed's plain TorchCheckpointEngine, whose save and load we shadow, so that its files are
     written by _file_object_saves (atomically, fsynced). Other checkpoint engines do their own I/O."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     return isinstance(engine.checkpoint_engine, TorchCheckpointEngine)
 
 
-def _file_object_saves(engine, errors: list):
+def _file_object_saves(engine: "DeepSpeedEngine", errors: list[OSError]) -> contextlib.AbstractContextManager[None]:
     """DeepSpeed's TorchCheckpointEngine.save calls torch.save(obj, path). On a full disk, torch's
     zip writer then raises a RuntimeError ("unexpected pos ...") and leaves a torn file. Writing
     through a file object instead gives OSError(ENOSPC), and the temporary name + rename leaves
@@ -235,7 +268,7 @@ def _file_object_saves(engine, errors: list):
     ends with a barrier, which a rank raising here would skip while the other ranks wait in it."""
     zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
 
-    def save(state_dict, path):
+    def save(state_dict: object, path: str | os.PathLike[str]) -> None:
         try:
             write_atomically(Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
         except OSError as exc:
@@ -267,7 +300,7 @@ def delete_tag_dir(tag_dir: Path) -> None:
     shutil.rmtree(tag_dir)
 
 
-def _optimizer_layout(engine) -> dict:
+def _optimizer_layout(engine: "DeepSpeedEngine") -> OptimizerLayout:
     """What resuming on another world size needs to know of how the optimizer state is cut up."""
     from training import zero_partitions
     return {"zero_stage": int(engine.zero_optimization_stage()),
@@ -276,8 +309,8 @@ def _optimizer_layout(engine) -> dict:
             "bf16": bool(engine.bfloat16_enabled())}
 
 
-def commit_checkpoint(output_dir, tag: str, world_size: int, client_state: dict, *, fsync_files: bool,
-                      layout: dict) -> None:
+def commit_checkpoint(output_dir: str | os.PathLike[str], tag: str, world_size: int, client_state: Mapping[str, Any],
+                      *, fsync_files: bool, layout: OptimizerLayout) -> None:
     """Make <output_dir>/<tag> a checkpoint: write its manifest (every file of the tag with its size,
     the world size, the model config, client_state's keys, the optimizer layout), then point `latest`
     at it. Until the manifest exists the tag is not a checkpoint (see "Commit protocol" above).
@@ -291,9 +324,9 @@ def commit_checkpoint(output_dir, tag: str, world_size: int, client_state: dict,
     once, after the barrier: every rank's temporary file has then been renamed to its final name."""
     import deepspeed  # the version goes into the manifest; imported here to keep import time low
 
-    output_dir, tag = Path(output_dir), str(tag)
-    tag_dir = output_dir / tag
-    files = {}
+    output_path, tag = Path(output_dir), str(tag)
+    tag_dir = output_path / tag
+    files: dict[str, int] = {}
     for path in sorted(tag_dir.rglob("*")):
         if path.is_file():
             files[path.relative_to(tag_dir).as_posix()] = path.stat().st_size
@@ -304,7 +337,7 @@ def commit_checkpoint(output_dir, tag: str, world_size: int, client_state: dict,
         for name in files:
             fsync_path(tag_dir / name)
         fsync_path(tag_dir)
-    manifest = {
+    manifest: Manifest = {
         "format_version": MANIFEST_FORMAT_VERSION,
         "tag": tag,
         "world_size": world_size,
@@ -318,12 +351,12 @@ def commit_checkpoint(output_dir, tag: str, world_size: int, client_state: dict,
         "saved_at_unix": time.time(),
     }
     write_text_atomically(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True))
-    write_text_atomically(output_dir / LATEST_NAME, tag)
+    write_text_atomically(output_path / LATEST_NAME, tag)
 
 
 # --------------------------------------------------------------------------- validation and resume
 
-def read_manifest(tag_dir: Path) -> tuple[dict | None, str | None]:
+def read_manifest(tag_dir: Path) -> tuple[Manifest, None] | tuple[None, str]:
     """(manifest, None) when <tag_dir> is a complete checkpoint: manifest readable and every file it
     lists present with the recorded size. Otherwise (None, reason)."""
     if not tag_dir.is_dir():
@@ -338,16 +371,17 @@ def read_manifest(tag_dir: Path) -> tuple[dict | None, str | None]:
     return check_manifest(text, sizes)
 
 
-def check_manifest(text: str, sizes: dict) -> tuple[dict | None, str | None]:
+def check_manifest(text: str, sizes: Mapping[str, int]) -> tuple[Manifest, None] | tuple[None, str]:
     """(manifest, None) when the manifest `text` parses and every file it lists is in `sizes`
     ({relative name: bytes}, what the tag directory or prefix holds) with its recorded size."""
     try:
-        manifest = json.loads(text)
+        parsed = json.loads(text)
     except ValueError as exc:
         return None, f"unreadable {MANIFEST_NAME}: {exc}"
-    if not isinstance(manifest, dict) or manifest.get("format_version") != MANIFEST_FORMAT_VERSION \
-            or not _MANIFEST_KEYS <= set(manifest):
+    if not isinstance(parsed, dict) or parsed.get("format_version") != MANIFEST_FORMAT_VERSION \
+            or not _MANIFEST_KEYS <= set(parsed):
         return None, f"{MANIFEST_NAME} is not a format-{MANIFEST_FORMAT_VERSION} manifest"
+    manifest = cast(Manifest, parsed)
     for name, size in manifest["files"].items():
         if name not in sizes:
             return None, f"file {name} listed in {MANIFEST_NAME} is missing"
@@ -356,7 +390,7 @@ def check_manifest(text: str, sizes: dict) -> tuple[dict | None, str | None]:
     return manifest, None
 
 
-def check_compatible(tag_dir: Path, manifest: dict, model_config: dict | None) -> None:
+def check_compatible(tag_dir: Path, manifest: Manifest, model_config: Mapping[str, Any] | None) -> None:
     """Raise CheckpointError when this run cannot resume from a complete checkpoint."""
     if model_config is not None and model_config_hash(model_config) != manifest["model_config_sha256"]:
         saved = manifest["model_config"]
@@ -366,7 +400,7 @@ def check_compatible(tag_dir: Path, manifest: dict, model_config: dict | None) -
         raise CheckpointError(f"checkpoint {tag_dir} is from another model config ({details})")
 
 
-def tag_order_key(tag: str, manifest: dict) -> tuple:
+def tag_order_key(tag: str, manifest: Manifest) -> tuple[int, int, float]:
     # Tags are global steps (phase 2 adds phase1_end_step), so numeric order is training order;
     # other tags come before numeric ones, ordered by save time.
     if tag.isdigit():
@@ -374,17 +408,18 @@ def tag_order_key(tag: str, manifest: dict) -> tuple:
     return (0, 0, manifest["saved_at_unix"])
 
 
-def scan_checkpoints(output_dir: Path) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+def scan_checkpoints(output_dir: Path) -> tuple[list[tuple[str, Manifest]], dict[str, str]]:
     """Complete checkpoints, newest first, and {tag: reason} for checkpoint-like directories that
     are not complete (any directory holding a DeepSpeed states file, a state_<r>.pt or a manifest)."""
-    complete, broken = [], {}
+    complete: list[tuple[str, Manifest]] = []
+    broken: dict[str, str] = {}
     for tag_dir in sorted(p for p in output_dir.iterdir() if p.is_dir()):
-        manifest, reason = read_manifest(tag_dir)
-        if manifest is not None:
-            complete.append((tag_dir.name, manifest))
+        found = read_manifest(tag_dir)
+        if found[0] is not None:
+            complete.append((tag_dir.name, found[0]))
         elif any(tag_dir.glob("*_states.pt")) or any(tag_dir.glob("state_*.pt")) \
                 or (tag_dir / MANIFEST_NAME).exists():
-            broken[tag_dir.name] = reason
+            broken[tag_dir.name] = found[1]
     complete.sort(key=lambda item: tag_order_key(*item), reverse=True)
     return complete, broken
 
@@ -396,7 +431,7 @@ def _read_latest(output_dir: Path) -> str | None:
         return None
 
 
-def find_resume_tag(output_dir, model_config: dict | None = None) -> str | None:
+def find_resume_tag(output_dir: str | os.PathLike[str], model_config: Mapping[str, Any] | None = None) -> str | None:
     """Tag to resume from (any rank may call it; it only reads).
 
     - None when output_dir holds no checkpoint: no `latest` and no complete checkpoint
@@ -414,18 +449,20 @@ def find_resume_tag(output_dir, model_config: dict | None = None) -> str | None:
     return None
 
 
-def choose_tag(output_dir: Path) -> tuple[str, dict] | None:
+def choose_tag(output_dir: Path) -> tuple[str, Manifest] | None:
     """(tag, manifest) by the rules of find_resume_tag, before its compatibility checks."""
     if not output_dir.is_dir():
         return None
-    complete, broken = scan_checkpoints(output_dir)
+    complete, not_complete = scan_checkpoints(output_dir)
+    broken: dict[str, str | None] = dict(not_complete)  # None: `latest`'s checkpoint was completed after the scan
     latest = _read_latest(output_dir)
     if latest is not None and latest not in broken and latest not in dict(complete):
         broken[latest] = read_manifest(output_dir / latest)[1]
     return choose_among(output_dir, complete, broken, latest)
 
 
-def choose_among(output_dir, complete: list, broken: dict, latest: str | None) -> tuple[str, dict] | None:
+def choose_among(output_dir: str | os.PathLike[str], complete: list[tuple[str, Manifest]],
+                 broken: Mapping[str, str | None], latest: str | None) -> tuple[str, Manifest] | None:
     """The rules of find_resume_tag over a scan (complete newest first, {tag: reason} of the others,
     the content of `latest`) of a local directory or an S3 prefix."""
     by_tag = dict(complete)
@@ -452,26 +489,26 @@ def choose_among(output_dir, complete: list, broken: dict, latest: str | None) -
 
 # --------------------------------------------------------------------------- prune
 
-def prune_checkpoints(output_dir, keep_last_n: int | None) -> list[str]:
+def prune_checkpoints(output_dir: str | os.PathLike[str], keep_last_n: int | None) -> list[str]:
     """Rank 0 (other ranks return at once): delete all but the newest keep_last_n complete
     checkpoints, never the one `latest` names. None or 0 keeps everything. Unfinished directories
     are left alone (a later save of the same tag replaces them). Returns the deleted tags."""
     if keep_last_n is not None and keep_last_n < 0:
         raise ValueError(f"keep_last_n must be >= 0 (0 keeps all), got {keep_last_n}")
-    output_dir = Path(output_dir)
-    if not keep_last_n or rank_and_world()[0] != 0 or not output_dir.is_dir():
+    output_path = Path(output_dir)
+    if not keep_last_n or rank_and_world()[0] != 0 or not output_path.is_dir():
         return []
-    latest = _read_latest(output_dir)
-    complete, _ = scan_checkpoints(output_dir)
+    latest = _read_latest(output_path)
+    complete, _ = scan_checkpoints(output_path)
     doomed = [tag for tag, _ in complete[keep_last_n:] if tag != latest]
     for tag in doomed:
-        delete_tag_dir(output_dir / tag)
+        delete_tag_dir(output_path / tag)
     return doomed
 
 
 # --------------------------------------------------------------------------- reading the files (resume, export)
 
-def deepspeed_checkpoint_classes() -> list:
+def deepspeed_checkpoint_classes() -> list[type]:
     """The only non-tensor classes DeepSpeed 0.19.8 pickles into its ZeRO-1/2 optimizer files
     (found with torch.serialization.get_unsafe_globals_in_checkpoint); plain data holders."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -480,11 +517,12 @@ def deepspeed_checkpoint_classes() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-def load_weights_only(path, map_location="cpu", mmap: bool = False):
+def load_weights_only(path: str | os.PathLike[str], map_location: str | torch.device = "cpu",
+                      mmap: bool = False) -> Any:
     """torch.load(weights_only=True) with DeepSpeed's three classes allowed. A file needing anything
     else is refused with the names of the classes it wants. mmap: tensors map the file, and only the
     pages a reader touches are read (and shared with the host's other ranks through the page cache)."""
-    with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
+    with torch.serialization.safe_globals(list(deepspeed_checkpoint_classes())):
         try:
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
@@ -493,9 +531,14 @@ def load_weights_only(path, map_location="cpu", mmap: bool = False):
                                   f"DeepSpeed's known checkpoint classes are loaded)") from exc
 
 
-def zero_partition_files(tag_dir: Path) -> list:
-    return sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
-                  key=lambda p: int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1)))
+def zero_partition_files(tag_dir: Path) -> list[Path]:
+    return sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_partition_rank)
+
+
+def _partition_rank(partition_file: Path) -> int:
+    found = re.search(r"zero_pp_rank_(\d+)_", partition_file.name)
+    assert found is not None  # the glob of zero_partition_files matched it
+    return int(found.group(1))
 
 
 # Keys of DeepSpeed 0.19.8's ZeRO-1/2 optimizer state dicts (DeepSpeedZeroOptimizer and BF16_Optimizer).
@@ -503,7 +546,7 @@ FP32_PARTITIONS = "single_partition_of_fp32_groups"
 BASE_STATE = "base_optimizer_state"
 
 
-def load_partition_states(partition_files: list, mmap: bool = False) -> list:
+def load_partition_states(partition_files: list[Path], mmap: bool = False) -> list[dict[str, Any]]:
     """Every rank's ZeRO-1/2 optimizer state dict, in rank order, checked to be all of them."""
     states = [load_weights_only(path, mmap=mmap)["optimizer_state_dict"] for path in partition_files]
     counts = states[0]["partition_count"]
@@ -513,7 +556,8 @@ def load_partition_states(partition_files: list, mmap: bool = False) -> list:
     return states
 
 
-def param_offsets(states: list, group: int, shapes: dict, pieces: list) -> list:
+def param_offsets(states: list[dict[str, Any]], group: int, shapes: Mapping[str, torch.Size],
+                  pieces: list[torch.Tensor]) -> list[int]:
     """ZeRO-1/2 layout: a param group is one flat vector cut in contiguous per-rank pieces
     (`pieces`, in rank order); parameters lie in it in param_shapes order, each followed by
     its alignment padding (if any). Returns where each parameter starts in that vector."""
