@@ -189,7 +189,7 @@ def _hpu_random_module() -> ModuleType | None:
     if "habana_frameworks.torch" not in sys.modules:
         return None
     import habana_frameworks.torch.hpu.random as hpu_random
-    return cast(ModuleType, hpu_random)
+    return hpu_random
 
 
 # --------------------------------------------------------------------------- save

@@ -12,14 +12,16 @@ import os
 import time
 from collections.abc import Callable, Collection, Iterable
 from types import TracebackType
-from typing import Literal, Protocol, Self, TypeAlias
+from typing import TYPE_CHECKING, Literal, Protocol, Self, TypeAlias
 
 import torch
-from torch._C._profiler import _ProfilerEvent
 from torch.profiler import profile
 
 from common.errors import InputError
 from training import gaudi
+
+if TYPE_CHECKING:
+    from torch._C._profiler import _ProfilerEvent
 
 # Dense bf16 TFLOP/s from the vendors' datasheets, matched against the device name, most specific first.
 DATASHEET_BF16_TFLOPS = (
@@ -224,7 +226,7 @@ class PeakAllocated:
 AllocationEvent: TypeAlias = tuple[int, int, int]
 
 
-def cpu_allocation_events(roots: Iterable[_ProfilerEvent]) -> list[AllocationEvent]:
+def cpu_allocation_events(roots: Iterable["_ProfilerEvent"]) -> list[AllocationEvent]:
     """(time ns, bytes (negative: a free), address) of each CPU allocation event in a profiler event tree."""
     found: list[AllocationEvent] = []
     stack = list(roots)
