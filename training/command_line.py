@@ -10,7 +10,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
@@ -118,10 +118,10 @@ def write_whole_lines() -> None:
 class EntryPoint(Protocol):
     """An entry point's main, as run_cli calls it; it returns its summary (training/run_status.exit_status_of)."""
 
-    def __call__(self, argv: list[str] | None, /, *, job: Job) -> object: ...
+    def __call__(self, argv: Sequence[str] | None, /, *, job: Job) -> object: ...
 
 
-def run_cli(main: EntryPoint, argv: list[str] | None, errors: tuple[type[BaseException], ...],
+def run_cli(main: EntryPoint, argv: Sequence[str] | None, errors: tuple[type[BaseException], ...],
             final: tuple[type[BaseException], ...] = (),
             report: Callable[[ExitStatus, str | None], None] | None = None) -> int:
     """main(argv, job=job) with one clear error line instead of a traceback for `errors` (plus InputError), and an
