@@ -16,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import helpers
 import run_pretraining as rp
+from common.errors import NO_RESTART_MARK
 from training import gaudi
 from training.run_status import ExitStatus
 
@@ -184,10 +185,10 @@ def test_fine_tuning_refuses_compile_mode_on_an_hpu_under_lazy_mode(tmp_path, ca
             str(missing), "--output_dir", str(tmp_path / "out")]
     argv += (["--task_name", "MRPC", "--data_dir", str(missing)] if entry_point == "run_glue"
              else ["--train_file", str(missing)])
-    assert importlib.import_module(entry_point).cli(argv) == 1
+    assert importlib.import_module(entry_point).cli(argv) == ExitStatus.NO_RESTART
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == ["error: --enable_torch_compile with --use_hpu needs Gaudi's compile mode, PT_HPU_LAZY_MODE=0 "
-                      "(here PT_HPU_LAZY_MODE is '1')"]
+                      f"(here PT_HPU_LAZY_MODE is '1'){NO_RESTART_MARK}"]
     assert not [name for name in sys.modules if name.startswith("habana_frameworks")]
 
 
