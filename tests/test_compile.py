@@ -12,6 +12,7 @@ import torch
 import helpers
 import run_pretraining
 from common.errors import InputError
+from training import pretraining_config
 
 STEPS, HALF = 20, 10
 # Relative loss difference allowed per step: fp32 sums in another order; bf16 rounds its (differently
@@ -67,7 +68,7 @@ def test_compile_mode_with_inductor_compiles_the_lans_update(tmp_path, shards, t
     from training import distributed
     config = helpers.write_ds_config(tmp_path / "ds.json", stage=1, bf16=True, micro=4)
     args = run_pretraining.parse_arguments([str(arg) for arg in helpers.driver_argv(shards, tmp_path / "out", config)])
-    run_config = run_pretraining.build_config(args, 1)
+    run_config = pretraining_config.build_config(args, 1)
     distributed.setup_device_and_distributed(distributed.Job(), args.use_hpu, args.no_cuda, args.local_rank)
     engine, optimizer = run_pretraining.build_engine(
         run_pretraining.build_model(run_config.model_config, None, 0), run_config.ds_config, optimizer_name="lans",

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 import helpers
-import run_pretraining
 from common import deepspeed_config
 from common.deepspeed_config import DeepSpeedConfigError
 from common.errors import InputError
+from training import pretraining_config
 
 
 def test_the_reader_imports_neither_torch_nor_deepspeed():
@@ -46,7 +46,7 @@ def test_preflight_and_driver_report_one_error_type_with_one_text(tmp_path, cont
                                cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert preflight.returncode == 1 and preflight.stderr.strip() == f"error: preflight: {raised.value}"
     with pytest.raises(DeepSpeedConfigError) as driver:
-        run_pretraining.deepspeed_config_with_optimizer(str(path), 1, "lans")
+        pretraining_config.deepspeed_config_with_optimizer(str(path), 1, "lans")
     assert str(driver.value) == str(raised.value)
 
 
@@ -70,7 +70,7 @@ def test_zero_offload_is_refused_with_one_line(tmp_path, zero, named):
         deepspeed_config.load(path, world_size=1)
     assert str(raised.value) == expected
     with pytest.raises(DeepSpeedConfigError) as driver:
-        run_pretraining.deepspeed_config_with_optimizer(str(path), 1, "lans")
+        pretraining_config.deepspeed_config_with_optimizer(str(path), 1, "lans")
     assert str(driver.value) == expected
 
 

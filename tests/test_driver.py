@@ -25,10 +25,20 @@ import torch
 
 import helpers
 import run_pretraining as rp
-from common.errors import NO_RESTART_MARK
+from common.errors import NO_RESTART_MARK, HostInputError
 from finetune.hf_interop import to_transformers_config
 from modeling import BertConfig, BertForSequenceClassification, BertPretrainingCriterion
-from training import checkpoint_export, checkpointing, deepspeed_engine, distributed, gaudi, init_weights, run_status
+from training import (
+    checkpoint_export,
+    checkpointing,
+    deepspeed_engine,
+    distributed,
+    gaudi,
+    init_weights,
+    pretraining_config,
+    pretraining_step,
+    run_status,
+)
 from training.run_status import ExitStatus
 
 STEP_KEYS = {"average_loss", "step_loss", "learning_rate", "average_training_time_step", "average_perf_per_step",
@@ -177,7 +187,7 @@ def test_bf16_zero0_dummy_step_does_not_reach_the_optimizer(tmp_path, tiny_shard
     model weights they were copied from; without the guard both change (negative control)."""
     ds_config = helpers.write_ds_config(tmp_path / "ds.json", stage=0, bf16=True)
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", ds_config)
-    config = rp.build_config(rp.parse_arguments(argv), 1)
+    config = pretraining_config.build_config(rp.parse_arguments(argv), 1)
     ds_dict, model_config = config.ds_config, config.model_config
     distributed.setup_device_and_distributed(distributed.Job(), config.use_hpu, config.no_cuda, config.local_rank)
 
@@ -695,7 +705,7 @@ def test_bad_input_is_printed_once_per_host_naming_a_host_other_than_rank_0s(tmp
 @pytest.mark.parametrize("raised, marked", [
     (rp.TrainingStopped("3 consecutive steps had a non-finite loss (--max_bad_steps 3); stopped at step 4"), True),
     (rp.InputError("--steps_this_run must be -1 (no limit) or at least 1, got 0"), True),
-    (rp.HostInputError("--input_dir /data does not exist or is not a directory"), False),  # maybe one server's
+    (HostInputError("--input_dir /data does not exist or is not a directory"), False),  # maybe one server's
     (rp.ShardError("shard_1.hdf5: cannot read samples 0..15"), False),       # a copy may be good on a restart
     (checkpointing.CheckpointError("cannot write checkpoint 8 on rank 1"), False)])
 def test_bad_input_and_a_deliberate_stop_say_no_restart(monkeypatch, capsys, raised, marked):
@@ -1060,7 +1070,7 @@ def test_a_step_averages_the_loss_over_two_ranks(tmp_path, tiny_shards, other_ra
     settings = SimpleNamespace(gas=2, world=2)
     before = [p.detach().clone() for p in engine.module.parameters()]
     try:
-        result = rp.train_step(run, settings, batches, SimpleNamespace(is_set=lambda: False), None)
+        result = pretraining_step.train_step(run, settings, batches, SimpleNamespace(is_set=lambda: False), None)
     finally:
         batches.close()
     local = sum(criterion.losses) / 2

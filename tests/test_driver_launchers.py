@@ -321,11 +321,11 @@ def test_reference_deepspeed_configs_are_accepted_by_stock_deepspeed(tmp_path, n
 
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    import run_pretraining as rp
+    from training import pretraining_config
     config = json.loads((SCRIPTS / name).read_text())
     config["tensorboard"]["enabled"] = False  # the tensorboard package is not a test dependency
     (tmp_path / name).write_text(json.dumps(config))
-    config = rp.deepspeed_config_with_optimizer(str(tmp_path / name), world, "lans")
+    config = pretraining_config.deepspeed_config_with_optimizer(str(tmp_path / name), world, "lans")
     assert config["gradient_accumulation_steps"] == gas  # 12288 = micro x GAS x world, as the reference
     assert DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage  # no fork-only keys
     assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0

@@ -21,7 +21,7 @@ import test_resume  # (the driver under its kill wrapper, losses and checkpoint 
 from common import storage
 from data.shard_format import SHARD_KEYS
 from finetune import finetuning
-from training import checkpoint_export, checkpoint_s3
+from training import checkpoint_export, checkpoint_s3, pretraining_inputs
 
 DATA_TOOL = helpers.REPO_ROOT / "data" / "create_pretraining_data.py"
 
@@ -179,13 +179,13 @@ def test_a_rank_that_checks_the_prefix_while_rank_0_probes_it_starts(tmp_path, s
         if os.environ["RANK"] == "0":
             monkeypatch.setenv("RANK", "1")
             seen_by_rank_1.append([remote.name for remote in store.list_objects(recursive=True)])
-            run_pretraining.open_s3_output(output_url, None, tmp_path / "rank1", 0, resuming=False)
+            pretraining_inputs.open_s3_output(output_url, None, tmp_path / "rank1", 0, resuming=False)
             monkeypatch.setenv("RANK", "0")
         delete(store, names)
 
     monkeypatch.setattr(storage.S3Store, "delete", rank_1_checks_before_the_probe_goes)
     monkeypatch.setenv("RANK", "0")
-    run_pretraining.open_s3_output(output_url, None, tmp_path / "rank0", 0, resuming=False)
+    pretraining_inputs.open_s3_output(output_url, None, tmp_path / "rank0", 0, resuming=False)
     assert len(seen_by_rank_1) == 1 and len(seen_by_rank_1[0]) == 1
     assert seen_by_rank_1[0][0].startswith(storage.WRITE_PROBE_PREFIX)  # the probe was there
     assert storage.S3Store(output_url).list_objects(recursive=True) == []
