@@ -35,10 +35,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_arguments(argv=None) -> argparse.Namespace:
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     device_setup.choose_accelerator(use_hpu="--use_hpu" in argv, no_cuda="--no_cuda" in argv)
     import deepspeed
@@ -254,15 +254,17 @@ def build_model(config: BertConfig, init_checkpoint: str | Path | None, checkpoi
     return model
 
 
-def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: str | None, learning_rate: float,
-                 betas: list | None, lr_schedule: dict | None, lans_blocks: str,
-                 torch_compile: tuple[str, str] | None) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
+def build_engine(model: BertForPreTraining, ds_config: dict[str, Any], *, optimizer_name: str | None,
+                 learning_rate: float, betas: Sequence[float] | None, lr_schedule: dict[str, Any] | None,
+                 lans_blocks: str, torch_compile: tuple[str | None, str | None] | None
+                 ) -> tuple["DeepSpeedEngine", torch.optim.Optimizer]:
     """The client optimizer (--optimizer; None: the DeepSpeed JSON's) and LR schedule, then
     deepspeed_engine.initialize_engine. lr_schedule: PolyWarmUpScheduler's keyword arguments (--use_lr_scheduler), or
     None. lans_blocks: --lans_blocks. torch_compile: (backend, mode) with --enable_torch_compile, else None.
     With inductor, compile mode compiles LANS's update too (lans.LANS, compile_update)."""
     groups = get_parameter_groups(model)
-    optimizer = scheduler = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: PolyWarmUpScheduler | None = None
     backend = compile_mode.compile_backend(torch_compile[0]) if torch_compile is not None else None
     if optimizer_name:
         try:
@@ -284,13 +286,17 @@ def build_engine(model: BertForPreTraining, ds_config: dict, *, optimizer_name: 
 
 # ============================================================================ the loop
 
-def train(run: RunObjects, settings: RunSettings, state: TrainState, batches, stop_event, profiler) -> dict:
+def train(run: RunObjects, settings: RunSettings, state: TrainState, batches: RankBatches, stop_event: threading.Event,
+          profiler: torch.profiler.profile | None) -> dict[str, Any]:
     """Optimizer steps until max_steps / steps_this_run / a stop request; returns the final record."""
     say, every, clock, config = run.say, settings.checkpoint_every, run.clock, settings.config
     progress = progress_display.progress_bar(settings.progress_bar, config.max_steps, state.global_step, "steps",
                                              config.log_freq)
-    window, last_window, steps_done, last_saved = LogWindow(clock()), LogWindow(clock()), 0, None
-    eval_time, held_out_figures, evaluated_at = 0.0, {}, None  # eval_time: seconds of the evaluations between steps
+    window, last_window, steps_done = LogWindow(clock()), LogWindow(clock()), 0
+    last_saved: str | None = None
+    eval_time = 0.0  # seconds of the evaluations between steps
+    held_out_figures: dict[str, float] = {}
+    evaluated_at: int | None = None
     window.local_losses = list(state.open_window.get("local_losses", []))
     window.all_rank_losses = list(state.open_window.get("all_rank_losses", []))
     while state.global_step < config.max_steps and steps_done < settings.steps_this_run:
@@ -318,7 +324,7 @@ def train(run: RunObjects, settings: RunSettings, state: TrainState, batches, st
             log_window(run, settings, state, window)
             window, last_window = LogWindow(clock()), window
         if run.held_out is not None and state.global_step % config.eval_interval == 0:
-            held_out_figures, seconds = evaluate_and_log(run, settings, state)
+            held_out_figures, seconds = evaluate_and_log(run, run.held_out, settings, state)
             eval_time, evaluated_at = eval_time + seconds, state.global_step
             window.started += seconds  # the logged step times and speeds leave the evaluation out
             last_window.started += seconds
@@ -341,7 +347,7 @@ def train(run: RunObjects, settings: RunSettings, state: TrainState, batches, st
     final = log_window(run, settings, state, window if window.steps else last_window, final=True)
     final_eval_time = 0.0
     if run.held_out is not None and steps_done and evaluated_at != state.global_step and not result.stop_requested:
-        held_out_figures, final_eval_time = evaluate_and_log(run, settings, state)
+        held_out_figures, final_eval_time = evaluate_and_log(run, run.held_out, settings, state)
     if every is not None and steps_done and last_saved != checkpoint_tag(state, config.phase1_end_step):
         save(run, settings, state, window.losses())
     return {**final, "ended": ended, "steps_done": steps_done, "eval_time_between_steps": eval_time,
@@ -354,11 +360,11 @@ def train(run: RunObjects, settings: RunSettings, state: TrainState, batches, st
 GraphBreaksFactory = Callable[[torch.device, torch.nn.Module, bool], gaudi.NoGraphBreaks]  # as gaudi.graph_breaks
 
 
-def main(argv=None, *, clock: Callable[[], float] = time.perf_counter,
+def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time.perf_counter,
          criterion: BertPretrainingCriterion | None = None,
          make_graph_breaks: GraphBreaksFactory = gaudi.graph_breaks,
-         device_memory: Callable[[torch.device], tuple] = hardware.device_memory_bytes,
-         status_file: run_status.StatusFile | None = None, job: distributed.Job | None = None) -> dict:
+         device_memory: Callable[[torch.device], tuple[float | None, str]] = hardware.device_memory_bytes,
+         status_file: run_status.StatusFile | None = None, job: distributed.Job | None = None) -> dict[str, Any]:
     """Run the training; returns the summary (the reference's final dllogger record) on every rank.
     clock (seconds), criterion (default: BertPretrainingCriterion()), make_graph_breaks (device, model,
     is 5B) and device_memory (device -> (bytes, description)) are there for tests: a fake clock, a loss that
@@ -393,7 +399,7 @@ def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
               copies: checkpoint_s3.CheckpointUploader | None, stop_event: threading.Event,
               status_file: run_status.StatusFile, job: distributed.Job, started: float,
               *, clock: Callable[[], float], criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
-              device_memory: Callable[[torch.device], tuple]) -> dict:
+              device_memory: Callable[[torch.device], tuple[float | None, str]]) -> dict[str, Any]:
     """main after the checks without a device: the device and the checks that need it, the checkpoint to
     resume from, then model, log and engine, and run_training."""
     device = distributed.setup_device_and_distributed(job, config.use_hpu, config.no_cuda, config.local_rank,
@@ -402,7 +408,11 @@ def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
     check_same_shards_on_every_rank(data, config.input_dir, job.hosts)
     held_out = read_held_out(held_out_data, config, rank, dist.get_world_size()) if held_out_data else None
     device_setup.seed_everything(config.seed + rank)
-    say = (lambda text: print(f"[run_pretraining] {text}", flush=True)) if rank == 0 else (lambda text: None)
+
+    def say(text: str) -> None:  # rank 0's lines; the other ranks say nothing
+        if rank == 0:
+            print(f"[run_pretraining] {text}", flush=True)
+
     check_memory(device, config, data, say, device_memory=device_memory)
     peak_dtype = torch.bfloat16 if sizing.bf16_enabled(config.ds_config) else torch.float32
     peak, peak_source = hardware.peak_tflops(device, peak_dtype, config.peak_tflops)
@@ -432,13 +442,14 @@ def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
         return run_training(run, config, data, data_layout, resume_tag, peak, stop_event, started)
 
 
-def run_training(run: RunObjects, config: Config, data: DataInfo, data_layout: dict, resume_tag: str | None,
-                 peak_tflops: float, stop_event: threading.Event, started: float) -> dict:
+def run_training(run: RunObjects, config: Config, data: DataInfo, data_layout: dict[str, Any], resume_tag: str | None,
+                 peak_tflops: float, stop_event: threading.Event, started: float) -> dict[str, Any]:
     """Resume (or start), the loop, the last checkpoint's copy and the summary: logged, and returned."""
     state = restore_state(run, config, resume_tag)
     run.status_file.saved(resume_tag)
     if config.skip_train:
-        return evaluate_only(run, state, started)
+        assert run.held_out is not None  # build_config: --skip_train needs --eval_dir
+        return evaluate_only(run, run.held_out, state, started)
     if state.global_step >= config.max_steps:  # a finished job relaunched: no step, so no loss or speed
         return nothing_to_train(checkpoint_tag(state, config.phase1_end_step), config.max_steps, state, run.logger,
                                 run.say, run.clock() - started)
@@ -475,7 +486,7 @@ def run_training(run: RunObjects, config: Config, data: DataInfo, data_layout: d
 
 
 def nothing_to_train(tag: str, max_steps: int, state: TrainState, logger: "dllogger.Logger",
-                     say: Callable[[str], None], elapsed: float) -> dict:
+                     say: Callable[[str], None], elapsed: float) -> dict[str, Any]:
     say(f"checkpoint {tag} is already at --max_steps {max_steps}: nothing to train")
     return log_summary_without_steps(state, logger, elapsed, stopped_by_signal=False, nothing_to_train=True)
 
@@ -488,13 +499,13 @@ def stop_requested_on_any_rank(stop_event: threading.Event, device: torch.device
 
 
 def stopped_before_training(state: TrainState, logger: "dllogger.Logger", say: Callable[[str], None],
-                            elapsed: float) -> dict:
+                            elapsed: float) -> dict[str, Any]:
     say(f"stop requested (SIGTERM/SIGINT) during start-up: stopping before the first step, at step "
         f"{state.global_step}")
     return log_summary_without_steps(state, logger, elapsed, stopped_by_signal=True)
 
 
-def cli(argv=None) -> int:
+def cli(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: one clear error line instead of a traceback, and an exit status and status file for
     the supervisor (training/run_status.py). Bad input and a deliberate stop are final (NO_RESTART, the line
     says [no restart]): a restart would meet them again."""

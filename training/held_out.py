@@ -4,7 +4,7 @@ DeepSpeed monitors and one line. training/evaluation.py computes the figures."""
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -38,11 +38,12 @@ def read_held_out(held_out: DataInfo, config: Config, rank: int, world: int) -> 
                                  num_samples=config.num_eval_examples)
 
 
-def evaluate_and_log(run: RunObjects, settings: RunSettings, state: TrainState) -> tuple[dict, float]:
+def evaluate_and_log(run: RunObjects, held_out: evaluation.HeldOutSet, settings: RunSettings,
+                     state: TrainState) -> tuple[dict[str, float], float]:
     """Collective: the held-out figures of the model after step state.global_step, in a dllogger record at that
     step (with eval_time, its seconds) and the DeepSpeed monitors; returns (figures, seconds)."""
     started = run.clock()
-    figures = evaluation.evaluate(run.engine.module, run.held_out, run.device, run.all_gather_object, settings.world,
+    figures = evaluation.evaluate(run.engine.module, held_out, run.device, run.all_gather_object, settings.world,
                                   after_batch=run.graph_breaks.after_step)
     seconds = run.clock() - started
     report_evaluation(run.engine, run.say, state.global_step, figures, seconds)
@@ -52,18 +53,19 @@ def evaluate_and_log(run: RunObjects, settings: RunSettings, state: TrainState) 
     return figures, seconds
 
 
-def evaluate_only(run: RunObjects, state: TrainState, started: float) -> dict:
+def evaluate_only(run: RunObjects, held_out: evaluation.HeldOutSet, state: TrainState,
+                  started: float) -> dict[str, Any]:
     """--skip_train: the held-out figures of the model as loaded, in the final record; no step, no checkpoint."""
     eval_started = run.clock()
-    figures = evaluation.evaluate(run.engine.module, run.held_out, run.device, run.all_gather_object,
+    figures = evaluation.evaluate(run.engine.module, held_out, run.device, run.all_gather_object,
                                   dist.get_world_size(), after_batch=run.graph_breaks.after_step)
     seconds = run.clock() - eval_started
     report_evaluation(run.engine, run.say, state.global_step, figures, seconds)
     return log_summary_without_steps(state, run.logger, run.clock() - started, **figures, eval_time=seconds)
 
 
-def report_evaluation(engine: "DeepSpeedEngine", say: Callable[[str], None], global_step: int, figures: dict,
-                      seconds: float) -> None:
+def report_evaluation(engine: "DeepSpeedEngine", say: Callable[[str], None], global_step: int,
+                      figures: dict[str, float], seconds: float) -> None:
     if engine.monitor.enabled:  # TensorBoard / CSV / W&B, as the DeepSpeed JSON asks
         engine.monitor.write_events([(f"Eval/{key}", value, global_step) for key, value in figures.items()])
     say(f"step {global_step}: held-out MLM loss {figures['eval_mlm_loss']:.4f}, MLM accuracy "

@@ -3,6 +3,7 @@ the two JSON files, checking every value in one place (InputError) before anythi
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import Any
 
 from common import deepspeed_config, storage
 from common.errors import InputError
@@ -77,7 +78,7 @@ class Config:
     skip_train: bool
     # DeepSpeed
     deepspeed_config: str | None
-    ds_config: dict                # read from deepspeed_config, with its optimizer (common/deepspeed_config.py)
+    ds_config: dict[str, Any]      # read from deepspeed_config, with its optimizer (common/deepspeed_config.py)
 
     @property
     def activation_checkpoint_interval(self) -> int:
@@ -85,7 +86,7 @@ class Config:
         return self.checkpoint_activations_interval if self.checkpoint_activations else 0
 
     @property
-    def lr_schedule(self) -> dict | None:
+    def lr_schedule(self) -> dict[str, Any] | None:
         """PolyWarmUpScheduler's keyword arguments with --use_lr_scheduler, else None."""
         if not self.use_lr_scheduler:
             return None
@@ -96,7 +97,7 @@ class Config:
     def resume_tag(self) -> str | None:
         return str(self.resume_step) if self.resume_step >= 0 else None
 
-    def flags(self) -> dict:
+    def flags(self) -> dict[str, Any]:
         """The flags' values, as the logged "Config" record shows them (the JSON files are logged apart)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model_config", "ds_config")}
 
@@ -156,7 +157,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> Config:
         torch_compile=(args.torch_compile_backend, args.torch_compile_mode) if args.enable_torch_compile else None)
 
 
-def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer: str | None) -> dict:
+def deepspeed_config_with_optimizer(path: str, world_size: int, client_optimizer: str | None) -> dict[str, Any]:
     """The DeepSpeed JSON (common/deepspeed_config.py) and an optimizer from it or --optimizer."""
     config = deepspeed_config.load(path, world_size, client_optimizer=client_optimizer)
     if client_optimizer is None and "optimizer" not in config:

@@ -8,13 +8,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from common import storage
 from common.errors import HostInputError, InputError, InputErrorOnEveryRank
-from data.dataset import LocalShardFiles, scan_shards
+from data.dataset import LocalShardFiles, ShardInfo, scan_shards
 from data.shard_format import ShardError
 from training import checkpoint_s3, command_line, sizing
 from training.pretraining_config import Config
@@ -22,7 +23,7 @@ from training.pretraining_config import Config
 
 @dataclass
 class DataInfo:
-    shards: list
+    shards: list[ShardInfo]
     seq_len: int
     max_pred: int
     num_samples: int
@@ -118,7 +119,7 @@ def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCac
     try:
         shards, seq_len, max_pred = scan_shards(input_dir, shard_files, held_out=held_out)
         if isinstance(shard_files, storage.ShardCache):
-            shard_files.check_capacity([shard.path for shard in shards])
+            shard_files.check_capacity([str(shard.path) for shard in shards])
     except (ShardError, storage.StorageError) as err:  # this server's copy, or its way to the storage
         raise HostInputError(str(err)) from err
     if max_pred > max_predictions_per_seq:
@@ -130,17 +131,17 @@ def inspect_data(input_dir: str, shard_files: LocalShardFiles | storage.ShardCac
     return DataInfo(shards, seq_len, max_pred, num_samples, shard_files)
 
 
-def check_same_shards_on_every_rank(data: DataInfo, input_dir: str, hosts: list) -> None:
+def check_same_shards_on_every_rank(data: DataInfo, input_dir: str, hosts: list[str]) -> None:
     """Each rank lists --input_dir itself, and the ranks cut one stream from their listings: a server whose
     copy lacks a shard (an unfinished copy) or holds another version of one would make the ranks train other
     samples than planned, silently. One all-gather of a digest; the listings themselves only when they differ.
     hosts: every rank's host (training/distributed.Job.hosts), for the message."""
     listing = {"shards": shard_listing(data.shards), "seq_len": data.seq_len, "max_pred": data.max_pred}
-    digests = [None] * dist.get_world_size()
+    digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(json.dumps(listing).encode()).hexdigest())
     if len(set(digests)) == 1:
         return
-    listings = [None] * len(digests)
+    listings: list[Any] = [None] * len(digests)  # every rank's `listing`
     dist.all_gather_object(listings, listing)
     other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
     first, second = ({name: size for name, size in listings[r]["shards"]} for r in (0, other))
@@ -156,13 +157,13 @@ def check_same_shards_on_every_rank(data: DataInfo, input_dir: str, hosts: list)
                                 "the same shards")
 
 
-def shard_listing(shards: list) -> list:
+def shard_listing(shards: list[ShardInfo]) -> list[list[Any]]:
     """What identifies the training shards, wherever they live: sorted [name, samples] pairs."""
     return sorted([shard.name, shard.num_samples] for shard in shards)
 
 
 def check_memory(device: torch.device, config: Config, data: DataInfo, say: Callable[[str], None], *,
-                 device_memory: Callable[[torch.device], tuple]) -> None:
+                 device_memory: Callable[[torch.device], tuple[float | None, str]]) -> None:
     """Refuse, before the model is built, a run the memory planner says cannot fit this device."""
     # the DeepSpeed JSON's own optimizer: planned as LANS, the one with the most temporaries
     optimizer = config.optimizer if config.optimizer in sizing.OPTIMIZER_TEMPORARIES else "lans"

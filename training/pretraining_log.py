@@ -2,7 +2,7 @@
 reference computes it, and the final summary, with or without steps."""
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from training.pretraining_config import Config
 from training.pretraining_run import RunObjects, RunSettings
@@ -20,8 +20,8 @@ class LogWindow:
     Skipped (non-finite) steps count for the time but not for the losses: their loss is meaningless."""
     started: float               # RunObjects.clock() at the window's start
     steps: int = 0
-    local_losses: list = field(default_factory=list)      # this rank's mean loss per finite optimizer step
-    all_rank_losses: list = field(default_factory=list)   # the same averaged over ranks
+    local_losses: list[float] = field(default_factory=list)     # this rank's mean loss per finite optimizer step
+    all_rank_losses: list[float] = field(default_factory=list)  # the same averaged over ranks
     last_micro_loss: float = float("nan")
     learning_rate: float = float("nan")
 
@@ -38,7 +38,7 @@ class LogWindow:
 
 
 def log_window(run: RunObjects, settings: RunSettings, state: TrainState, window: LogWindow,
-               final: bool = False) -> dict:
+               final: bool = False) -> dict[str, Any]:
     """One dllogger record, computed as the reference computes it; returns the record."""
     step_time = (run.clock() - window.started) / max(window.steps, 1)
     sequences_per_step = settings.micro_batch * settings.gas  # per device
@@ -65,7 +65,7 @@ def log_window(run: RunObjects, settings: RunSettings, state: TrainState, window
     return record
 
 
-def mean_or_nan(values: list) -> float:
+def mean_or_nan(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -78,8 +78,8 @@ def log_parameters(logger: "dllogger.Logger", config: Config, peak_tflops: float
     logger.log(step="PARAMETER", data={"peak_tflops": peak_tflops, "peak_tflops_source": peak_source})
 
 
-def log_summary(run: RunObjects, settings: RunSettings, final: dict, steps_done: int, state: TrainState,
-                train_started: float, started: float) -> dict:
+def log_summary(run: RunObjects, settings: RunSettings, final: dict[str, Any], steps_done: int, state: TrainState,
+                train_started: float, started: float) -> dict[str, Any]:
     """The run's final record (the reference's), from the loop's final record; logged, and returned."""
     raw_train_time = final["ended"] - train_started - final["eval_time_between_steps"]
     sequences = settings.micro_batch * settings.gas * settings.world * steps_done
@@ -98,7 +98,8 @@ def log_summary(run: RunObjects, settings: RunSettings, final: dict, steps_done:
     return summary
 
 
-def log_summary_without_steps(state: TrainState, logger: "dllogger.Logger", elapsed: float, **flags) -> dict:
+def log_summary_without_steps(state: TrainState, logger: "dllogger.Logger", elapsed: float,
+                              **flags: Any) -> dict[str, Any]:
     """The final record of a run that made no step (no loss, no speed), with `flags` added; returned."""
     summary = {"e2e_train_time": elapsed, "global_step": state.global_step, "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), **flags}

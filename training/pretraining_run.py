@@ -5,7 +5,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,7 @@ class RunSettings:
     world: int
     seq_len: int
     epoch_size: int
-    data_layout: dict
+    data_layout: dict[str, Any]  # pretraining_state.describe_data_layout
     flops_per_sequence: float  # model FLOPs of one training sequence (sizing.model_flops_per_sequence)
     peak_tflops: float         # one device's matmul peak, the denominator of MFU
     progress_bar: bool         # rank 0 without --disable_progress_bar
@@ -49,7 +49,7 @@ class RunObjects:
     criterion: BertPretrainingCriterion
     clock: Callable[[], float]  # time.perf_counter; a parameter of main, so a test can fake it
     all_reduce: Callable[[torch.Tensor], object]  # dist.all_reduce; a test stands in for other ranks with its own
-    all_gather_object: Callable[[list, object], object]  # dist.all_gather_object (rare: shards skipped somewhere)
+    all_gather_object: Callable[[list[Any], object], object]  # dist.all_gather_object (rare: shards skipped somewhere)
     device: torch.device
     logger: "dllogger.Logger"  # logs.build_logger: dllogger's, or dllogger_fallback's without the package
     say: Callable[[str], None]  # prints on rank 0, nothing elsewhere

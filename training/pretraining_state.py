@@ -1,16 +1,17 @@
-"""The pretraining loop's state and its checkpoints: TrainState (what a checkpoint saves of the loop) and the open
-LogWindow, the checkpoint a resume takes (chosen and checked before the model is built), the restore (phase 2
-included) and the save."""
+"""The pretraining loop's state and its checkpoints: TrainState (what a checkpoint saves of the loop), the
+checkpoint a resume takes (chosen and checked before the model is built), the restore (phase 2 included) and the
+save."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from common.errors import InputError
+from data.dataset import ShardInfo
 from schedulers import PolyWarmUpScheduler
 from training import checkpoint_resume, checkpoint_s3, checkpointing, device_setup
 from training.pretraining_config import Config
@@ -28,13 +29,13 @@ class TrainState:
     global_step: int = 0            # optimizer steps in this phase
     samples_consumed: int = 0       # stream position of the next global micro-batch (data/dataset.py)
     phase: int = 1
-    skipped_shards: list = field(default_factory=list)
+    skipped_shards: list[str] = field(default_factory=list)  # names
     bad_steps: int = 0              # steps skipped for a non-finite loss, in total
     bad_steps_in_a_row: int = 0     # the current streak of those: a resume continues it (--max_bad_steps)
     # This rank's losses in the log window open at the save ({"local_losses", "all_rank_losses"}), kept in its
     # rank state (they differ between ranks): the first record after a resume averages the steps the
     # uninterrupted run's does. Empty for a fresh run, a resume on another world size or an older checkpoint.
-    open_window: dict = field(default_factory=dict)
+    open_window: dict[str, list[float]] = field(default_factory=dict)
 
 
 def steps_of_both_phases(state: TrainState, phase1_end_step: int) -> int:
@@ -47,7 +48,7 @@ def checkpoint_tag(state: TrainState, phase1_end_step: int) -> str:
     return str(steps_of_both_phases(state, phase1_end_step))
 
 
-def describe_data_layout(shards: list, window_size: int, seed: int, shuffle: bool) -> dict:
+def describe_data_layout(shards: list[ShardInfo], window_size: int, seed: int, shuffle: bool) -> dict[str, Any]:
     """What the stream position indexes into (data/dataset.py): a resume must see the same layout, or the
     saved position would point at other samples (repeats and gaps in the epoch)."""
     return {"seed": seed, "window_size": window_size, "shuffle": shuffle, "shards": shard_listing(shards)}
@@ -57,7 +58,7 @@ LAYOUT_FLAGS = {"seed": "--seed", "window_size": "--data_memory_budget_mb", "shu
                 "shards": "the training shards of --input_dir (names and sizes)"}
 
 
-def check_data_layout(saved: dict, current: dict, tag: str) -> None:
+def check_data_layout(saved: dict[str, Any], current: dict[str, Any], tag: str) -> None:
     for key, flag in LAYOUT_FLAGS.items():
         if saved[key] != current[key]:
             raise InputError(f"checkpoint {tag} was saved with another data layout: {key} {saved[key]!r} then, "
@@ -65,7 +66,7 @@ def check_data_layout(saved: dict, current: dict, tag: str) -> None:
 
 
 def choose_checkpoint(config: Config, checkpoint_dir: Path, copies: checkpoint_s3.CheckpointUploader | None,
-                      device: torch.device, data_layout: dict, say: Callable[[str], None]) -> str | None:
+                      device: torch.device, data_layout: dict[str, Any], say: Callable[[str], None]) -> str | None:
     """The tag a resume loads (None: a fresh start), chosen and checked before the model and the engine are
     built (minutes for the 5B model): a --resume_step that --output_dir lacks, a checkpoint of another model
     config (its manifest says), of another data layout or, for --phase2, of another step than
@@ -122,12 +123,14 @@ def restore_state(run: RunObjects, config: Config, tag: str | None) -> TrainStat
             f"{state.samples_consumed} samples consumed")
     # Only PolyWarmUp (--use_lr_scheduler) saves its schedule; a DeepSpeed JSON scheduler saves only its step
     # and takes its parameters from the JSON at every start.
-    if isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and not (config.phase2 and client["phase"] == 1):
+    if (isinstance(engine.lr_scheduler, PolyWarmUpScheduler) and fresh_schedule is not None
+            and not (config.phase2 and client["phase"] == 1)):
         follow_changed_schedule(engine.lr_scheduler, fresh_schedule, run.say)
     return state
 
 
-def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer, fresh_schedule: dict | None) -> None:
+def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer,
+                 fresh_schedule: dict[str, Any] | None) -> None:
     """As the reference: step counters and scheduler start again, the optimizer moments are kept."""
     for group in optimizer.param_groups:
         group["step"] = 0
@@ -140,7 +143,7 @@ def start_phase2(engine: "DeepSpeedEngine", optimizer: torch.optim.Optimizer, fr
     engine.global_steps = engine.global_samples = engine.skipped_steps = 0
 
 
-def save(run: RunObjects, settings: RunSettings, state: TrainState, open_window: dict) -> str:
+def save(run: RunObjects, settings: RunSettings, state: TrainState, open_window: dict[str, list[float]]) -> str:
     """Collective: every rank calls it. Tag = global step (phase 2: continued from phase 1's). With an
     s3:// --output_dir, the copy of the previous checkpoint is waited for, and this one's started."""
     config = settings.config

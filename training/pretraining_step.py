@@ -2,13 +2,15 @@
 which the ranks agree to skip a non-finite step or stop, the update; and the ranks' agreement on the shards
 that --skip_bad_shards dropped."""
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from data.dataset import RankBatches
+from data.dataset import MicroBatch, RankBatches
 from training.deepspeed_engine import optimizer_step_suppressed
 from training.pretraining_run import RunObjects, RunSettings
 from training.pretraining_state import TrainState
@@ -22,17 +24,18 @@ class StepResult:
     last_micro_loss: float
     finite: bool             # every rank's loss was finite and DeepSpeed did not skip the step
     stop_requested: bool     # some rank received SIGTERM/SIGINT
-    skipped_shards: tuple    # shards this rank has dropped by --skip_bad_shards so far
+    skipped_shards: tuple[str, ...]  # shards this rank has dropped by --skip_bad_shards so far
     shards_newly_skipped: bool  # some rank dropped a shard in this step: the ranks must agree on the list
     next_position: int       # stream position after this step's last global micro-batch
 
 
-def train_step(run: RunObjects, settings: RunSettings, batches, stop_event, profiler,
-               agreed_skipped_shards=()) -> StepResult:
+def train_step(run: RunObjects, settings: RunSettings, batches: Iterator[MicroBatch], stop_event: threading.Event,
+               profiler: torch.profiler.profile | None, agreed_skipped_shards: Sequence[str] = ()) -> StepResult:
     """GAS micro-batches: forward, backward, engine.step() (on an HPU in lazy mode with the reference's
     mark_steps, run.graph_breaks); the ranks agree on skip/stop before the update. agreed_skipped_shards:
     the shards every rank had dropped before this step."""
-    engine, gas, losses = run.engine, settings.gas, []
+    engine, gas = run.engine, settings.gas
+    losses: list[torch.Tensor] = []
     skipped_before = engine.skipped_steps
     for micro in range(gas):
         batch = next(batches)
@@ -64,7 +67,7 @@ def train_step(run: RunObjects, settings: RunSettings, batches, stop_event, prof
 
 
 def agree_across_ranks(losses: torch.Tensor, stop_local: bool, skipped_local: bool, device: torch.device,
-                       all_reduce: Callable[[torch.Tensor], object]) -> tuple:
+                       all_reduce: Callable[[torch.Tensor], object]) -> tuple[bool, bool, bool, float]:
     """One all-reduce per optimizer step: (any rank non-finite, any rank asked to stop, any rank dropped a
     shard, sum of mean losses)."""
     flags = torch.tensor([float(stop_local), float(skipped_local)], device=device)
@@ -80,7 +83,7 @@ def agree_on_skipped_shards(run: RunObjects, settings: RunSettings, state: Train
     """Some rank dropped a shard in this step (--skip_bad_shards): every rank drops the union of the ranks'
     lists from the next step on, so that the ranks keep slicing one stream (and the checkpoint, written by
     rank 0, holds every rank's list). The rank that met the bad shard read the rest of this step without it."""
-    lists = [None] * settings.world
+    lists: list[Any] = [None] * settings.world  # every rank's list of skipped shards
     run.all_gather_object(lists, list(result.skipped_shards))
     agreed = sorted(set(state.skipped_shards).union(*lists))
     for name in agreed:
