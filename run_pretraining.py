@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from common import storage
 from common.errors import InputError, InputErrorOnEveryRank
 from data.dataset import RankBatches, WindowReader, window_size_for_budget
 from data.shard_format import ShardError
+from lans import AdaptiveMomentOptimizer
 from modeling import BertConfig, BertForPreTraining, BertPretrainingCriterion
 from optimization import OPTIMIZERS, build_optimizer, get_parameter_groups
 from schedulers import PolyWarmUpScheduler
@@ -278,7 +279,8 @@ def build_engine(model: BertForPreTraining, ds_config: dict[str, Any], *, optimi
     engine, optimizer = deepspeed_engine.initialize_engine(model, ds_config, optimizer, scheduler,
                                                            parameter_groups=groups)
     if optimizer_name == "lans" and lans_blocks == "tensor":
-        zero_partitions.use_tensor_blocks(engine.optimizer, optimizer)
+        # the client LANS is the optimizer that steps
+        zero_partitions.use_tensor_blocks(engine.optimizer, cast(AdaptiveMomentOptimizer, optimizer))
     if torch_compile is not None:
         compile_mode.compile_model(engine, backend, torch_compile[1])
     return engine, optimizer
@@ -505,7 +507,7 @@ def stopped_before_training(state: TrainState, logger: "dllogger.Logger", say: C
     return log_summary_without_steps(state, logger, elapsed, stopped_by_signal=True)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:
     """Command-line entry: one clear error line instead of a traceback, and an exit status and status file for
     the supervisor (training/run_status.py). Bad input and a deliberate stop are final (NO_RESTART, the line
     says [no restart]): a restart would meet them again."""
