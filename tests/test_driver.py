@@ -461,14 +461,21 @@ def mapped_files(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
+def blocks_sigterm(pid: int) -> bool:
+    """Whether process `pid`'s main thread blocks SIGTERM (/proc/PID/status, SigBlk: a hexadecimal mask, bit n-1
+    for signal n)."""
+    mask = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("SigBlk:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def test_a_sigterm_while_the_rank_imports_torch_still_gets_its_error_line_and_status_file(tmp_path, tiny_shards):
     """DeepSpeed's per-node launcher sends SIGTERM to every rank once one exits with an error: a rank still
     importing torch (seconds on a loaded server) is then told to stop. It used to die at once, so rank 0's
     report of the input error that the other rank met first was missing, and the supervisor read two attempts
     that failed alike as two different failures (it restarted once more). The driver blocks stop signals while
     it imports and takes them in main: the run meets the same bad input, prints its one line and writes its
-    status file. The signal is sent while torch's library is not yet loaded and hashlib's is (the driver
-    imports hashlib on its first import line, torch a few lines later)."""
+    status file. The signal is sent once the driver blocks it, while torch's library is not yet loaded."""
     summary = tmp_path / "results" / "dllogger.json"
     summary.parent.mkdir()
     argv = helpers.driver_argv(tiny_shards, tmp_path / "out", helpers.write_ds_config(tmp_path / "ds.json"),
@@ -478,9 +485,10 @@ def test_a_sigterm_while_the_rank_imports_torch_still_gets_its_error_line_and_st
                                stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while "_hashlib" not in (maps := mapped_files(process.pid)):
+        while not blocks_sigterm(process.pid):
             assert process.poll() is None and time.monotonic() < deadline, process.communicate(timeout=30)
             time.sleep(0.001)
+        maps = mapped_files(process.pid)
         process.send_signal(signal.SIGTERM)
         assert "libtorch" not in maps  # the signal came during the imports
         out, err = process.communicate(timeout=180)
