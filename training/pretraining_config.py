@@ -16,7 +16,7 @@ from training import command_line, compile_mode, profiling
 class Config:
     """The settings of a run, typed and checked: every flag that does something (the reference's names; its
     float step counts as whole numbers), the DeepSpeed JSON and the model config. build_config makes it from
-    the flags, once; nothing below main reads the flags themselves."""
+    the flags, once; nothing below run_pretraining.main reads the flags themselves."""
     # data
     input_dir: str
     max_predictions_per_seq: int

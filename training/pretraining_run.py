@@ -43,11 +43,11 @@ class RunSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class RunObjects:
-    """The live objects of a run that the loop works with; built once in train_run."""
+    """The live objects of a run that the loop works with; built once in run_pretraining.train_run."""
     engine: "DeepSpeedEngine"
     optimizer: torch.optim.Optimizer  # the one that steps (the client's, else the JSON's): its param_groups hold the LR
     criterion: BertPretrainingCriterion
-    clock: Callable[[], float]  # time.perf_counter; a parameter of main, so a test can fake it
+    clock: Callable[[], float]  # time.perf_counter; a parameter of run_pretraining.main, so a test can fake it
     all_reduce: Callable[[torch.Tensor], object]  # dist.all_reduce; a test stands in for other ranks with its own
     all_gather_object: Callable[[list[Any], object], object]  # dist.all_gather_object (rare: shards skipped somewhere)
     device: torch.device
