@@ -507,7 +507,7 @@ def stopped_before_training(state: TrainState, logger: "dllogger.Logger", say: C
     return log_summary_without_steps(state, logger, elapsed, stopped_by_signal=True)
 
 
-def cli(argv: list[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: one clear error line instead of a traceback, and an exit status and status file for
     the supervisor (training/run_status.py). Bad input and a deliberate stop are final (NO_RESTART, the line
     says [no restart]): a restart would meet them again."""
