@@ -84,6 +84,9 @@ def parse_args(argv=None):
     parser.add_argument("--ranks", type=int, default=2, help="processes (CPU ranks or devices)")
     parser.add_argument("--device", choices=("cpu", "cuda", "hpu"), default="cpu")
     parser.add_argument("--master_port", type=int, default=29560)
+    parser.add_argument("--lr_factor", type=float, default=1.0, help="every run's learning rate (the published one "
+                        "scaled by the square-root rule) times this: a diagnostic of the rule at a small budget, "
+                        "not the recipes as published")
     args = parser.parse_args(argv)
     if args.eval_every % (8 * args.batch) or args.samples % args.eval_every:
         parser.error("--eval_every must be a multiple of 8 x --batch and divide --samples")
@@ -107,13 +110,14 @@ def planned_runs(args) -> list[dict]:
         for seed in (args.seeds if name in ("a", "d") else args.seeds[:1]):
             batch = args.batch * recipe.batch_factor
             runs.append(dict(name=f"{name}_seed{seed}", recipe=name, seed=seed, recipe_spec=recipe, batch=batch,
-                             steps=args.samples // batch, lr=scaled_lr(recipe, batch), phase=1,
+                             steps=args.samples // batch, lr=scaled_lr(recipe, batch) * args.lr_factor, phase=1,
                              data_dir=args.data_dir, max_pred=20, samples_before=0))
             if name == "a" and not args.no_phase2:
                 batch2 = args.batch // 3
                 runs.append(dict(name=f"a_seed{seed}_phase2", recipe="a2", seed=seed, recipe_spec=PHASE2,
                                  batch=batch2, steps=args.samples // PHASE2_SHARE // batch2,
-                                 lr=scaled_lr(PHASE2, batch2), phase=2, data_dir=args.phase2_data_dir, max_pred=80,
+                                 lr=scaled_lr(PHASE2, batch2) * args.lr_factor, phase=2,
+                                 data_dir=args.phase2_data_dir, max_pred=80,
                                  samples_before=args.samples, phase1=f"a_seed{seed}"))
     return runs
 
