@@ -3,7 +3,7 @@
 (real movie-review sentiment in SST-2's layout, data/vader_movie_reviews.py).
 
 Flags follow NVIDIA's run_glue.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
-fine-tuning flags of finetune/finetuning.py); its flags that mean nothing here (--bert_model, --loss_scale,
+fine-tuning flags of finetune/flags.py); its flags that mean nothing here (--bert_model, --loss_scale,
 --server_ip, --server_port) are accepted and do nothing, and --fp16/--amp are refused (bf16 is the DeepSpeed
 JSON's). One process per device, or one process:
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import InputError
-from finetune import finetuning, glue_metrics
+from finetune import finetuning, flags, glue_metrics
 from finetune.glue import TASKS, Example, Task, convert_examples_to_features, read_examples
 from modeling import BertConfig, BertForSequenceClassification
 from training import distributed
@@ -45,7 +45,7 @@ TaskData: TypeAlias = dict[str, tuple[list[Example], finetuning.Features]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser, groups = finetuning.build_parser(
+    parser, groups = flags.build_parser(
         "Fine-tune BERT on a GLUE task (NVIDIA run_glue.py flags) with DeepSpeed.",
         "%(prog)s --task_name TASK --data_dir DIR --vocab_file TXT --output_dir DIR --do_train|--do_eval|"
         "--do_predict [flags]")
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GlueConfig(finetuning.Config):
+class GlueConfig(flags.Config):
     """The run's settings: the common fine-tuning ones and GLUE's."""
     task_name: str
     data_dir: str
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None, *, make_loss: Callable[[Task], finet
     """Fine-tune and/or evaluate; returns the summary (also logged). make_loss(task) -> loss(model, batch)
     (default loss_function) is there for tests: a loss that sends SIGTERM during a chosen step. job: run_cli's
     (training/distributed.py; default: a new one)."""
-    config = finetuning.build_config(finetuning.parse_arguments(build_parser(), argv), GlueConfig)
+    config = flags.build_config(flags.parse_arguments(build_parser(), argv), GlueConfig)
     task = TASKS[config.task_name]
     model_config, weights = finetuning.load_pretrained(config.init_checkpoint, config.config_file)
     tokenizer = finetuning.load_tokenizer(config.vocab_file, config.do_lower_case, model_config)

@@ -2,7 +2,7 @@
 """Fine-tune and evaluate BERT on SQuAD v1.1 / v2.0.
 
 Flags follow NVIDIA's run_squad.py (plus DeepSpeed's --deepspeed --deepspeed_config and the shared
-fine-tuning flags of finetune/finetuning.py); its flags that mean nothing here (--bert_model, --eval_script,
+fine-tuning flags of finetune/flags.py); its flags that mean nothing here (--bert_model, --eval_script,
 --loss_scale, ...) are accepted and do nothing, and --fp16/--amp are refused (bf16 is the DeepSpeed JSON's).
 One process per device, or one process:
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from common.atomic_write import write_text_atomically
 from common.errors import InputError
-from finetune import finetuning, squad, squad_metrics
+from finetune import finetuning, flags, squad, squad_metrics
 from modeling import BertConfig, BertForQuestionAnswering
 from training import distributed
 
@@ -44,7 +44,7 @@ TaskData: TypeAlias = dict[str, tuple[list[squad.SquadExample], squad.SquadFeatu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser, groups = finetuning.build_parser(
+    parser, groups = flags.build_parser(
         "Fine-tune BERT on SQuAD v1.1/v2.0 (NVIDIA run_squad.py flags) with DeepSpeed.",
         "%(prog)s --vocab_file TXT --output_dir DIR --do_train|--do_eval|--do_predict [flags]")
     add = groups["data"].add_argument
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SquadConfig(finetuning.Config):
+class SquadConfig(flags.Config):
     """The run's settings: the common fine-tuning ones and SQuAD's."""
     train_file: str | None
     predict_file: str | None
@@ -194,7 +194,7 @@ def score(result: squad.SquadPredictions, predict_file: str, output_dir: Path, v
 def main(argv: Sequence[str] | None = None, *, job: distributed.Job | None = None) -> dict[str, Any]:
     """Fine-tune and/or predict; returns the summary (also logged). job: run_cli's (training/distributed.py;
     default: a new one)."""
-    config = finetuning.build_config(finetuning.parse_arguments(build_parser(), argv), SquadConfig)
+    config = flags.build_config(flags.parse_arguments(build_parser(), argv), SquadConfig)
     model_config, weights = finetuning.load_pretrained(config.init_checkpoint, config.config_file)
     tokenizer = finetuning.load_tokenizer(config.vocab_file, config.do_lower_case, model_config)
     check_flags(config, model_config)

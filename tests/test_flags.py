@@ -54,9 +54,9 @@ def parse(name, argv):
     if name == "run_pretraining":
         import run_pretraining
         return run_pretraining.parse_arguments(argv)
-    from finetune import finetuning
+    from finetune import flags
     module = __import__(name)
-    return finetuning.parse_arguments(module.build_parser(), argv)
+    return flags.parse_arguments(module.build_parser(), argv)
 
 
 def parser_of(name):

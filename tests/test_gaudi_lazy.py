@@ -173,7 +173,7 @@ def test_compile_mode_on_an_hpu_is_refused_under_lazy_mode_before_the_bridge_is_
 
 @pytest.mark.parametrize("entry_point", ["run_glue", "run_squad"])
 def test_fine_tuning_refuses_compile_mode_on_an_hpu_under_lazy_mode(tmp_path, capsys, monkeypatch, entry_point):
-    """The fine-tuning entry points share the check (finetuning.build_config): the same one line, before any input
+    """The fine-tuning entry points share the check (flags.build_config): the same one line, before any input
     file is read (these do not exist) and before the bridge is imported."""
     import importlib
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")

@@ -13,7 +13,7 @@ import torch
 import helpers
 import run_glue
 from common.errors import NO_RESTART_MARK, InputError
-from finetune import finetuning, hf_interop
+from finetune import flags, hf_interop
 from finetune_helpers import (
     REPO_ROOT,
     TINY_CONFIG,
@@ -150,7 +150,7 @@ def test_a_training_set_smaller_than_one_global_batch_is_refused_before_any_outp
 # ============================================================================ --train_batch_size, as NVIDIA's
 
 def batch_settings(train_batch_size, accumulation, world_size=1, deepspeed_config=None):
-    config = finetuning.deepspeed_settings(deepspeed_config, train_batch_size, accumulation, world_size)
+    config = flags.deepspeed_settings(deepspeed_config, train_batch_size, accumulation, world_size)
     return config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]
 
 
@@ -499,8 +499,8 @@ def test_a_labelled_test_set_is_scored_with_its_predictions(tmp_path):
 def test_nvidias_glue_flags_that_mean_nothing_here_are_accepted_and_fp16_is_refused(tmp_path, capsys):
     ours = ["--task_name", "mrpc", "--data_dir", "D", "--vocab_file", "V", "--output_dir", "O", "--do_train"]
     nvidia = ["--bert_model", "bert-large-uncased", "--server_ip", "", "--server_port", "", "--loss_scale", "0"]
-    with_nvidia = vars(finetuning.parse_arguments(run_glue.build_parser(), ours + nvidia))
-    without = vars(finetuning.parse_arguments(run_glue.build_parser(), ours))
+    with_nvidia = vars(flags.parse_arguments(run_glue.build_parser(), ours + nvidia))
+    without = vars(flags.parse_arguments(run_glue.build_parser(), ours))
     ignored = {"bert_model", "server_ip", "server_port", "loss_scale"}
     assert {k: v for k, v in with_nvidia.items() if k not in ignored} == \
         {k: v for k, v in without.items() if k not in ignored}

@@ -325,14 +325,14 @@ NVIDIA_SQUAD_ONLY = ["--bert_model", "bert-large-uncased", "--eval_script", "eva
 def test_nvidias_flags_that_mean_nothing_here_are_accepted_and_change_nothing(tmp_path):
     """NVIDIA's run_squad.sh command line (its --bert_model, --eval_script, ...) parses, and every flag of ours
     has the value it has without them."""
-    from finetune import finetuning
+    from finetune import flags
     ours = ["--init_checkpoint", "I", "--do_train", "--train_file", "T", "--train_batch_size", "32", "--do_predict",
             "--predict_file", "P", "--predict_batch_size", "8", "--do_eval", "--do_lower_case", "--seed", "1",
             "--learning_rate", "3e-5", "--num_train_epochs", "2", "--max_seq_length", "384", "--doc_stride", "128",
             "--output_dir", "O", "--vocab_file", "V", "--config_file", "C", "--max_steps", "-1",
             "--json-summary", "J"]
-    with_nvidia = vars(finetuning.parse_arguments(run_squad.build_parser(), ours + NVIDIA_SQUAD_ONLY))
-    without = vars(finetuning.parse_arguments(run_squad.build_parser(), ours))
+    with_nvidia = vars(flags.parse_arguments(run_squad.build_parser(), ours + NVIDIA_SQUAD_ONLY))
+    without = vars(flags.parse_arguments(run_squad.build_parser(), ours))
     ignored = {"bert_model", "eval_script", "verbose_logging", "use_env", "skip_cache", "cache_dir", "loss_scale"}
     assert {key: value for key, value in with_nvidia.items() if key not in ignored} == \
         {key: value for key, value in without.items() if key not in ignored}
