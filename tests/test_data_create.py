@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import helpers
-from data.create_pretraining_data import WordPieceEncoder, choose_candidates, document_instances, truncate_pairs
+from data.create_pretraining_data import choose_candidates, document_instances, truncate_pairs
 from data.shard_format import SHARD_KEYS
+from data.wordpiece_encoder import WordPieceEncoder
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "data" / "create_pretraining_data.py"
@@ -84,9 +85,9 @@ def shard(corpus, tmp_path_factory):
 def test_tokenization_matches_bert_basic_and_wordpiece(corpus, monkeypatch, word_cache_limit):
     """Line by line against the pure-Python tokenizer; the same encoder twice (its word table filled, or
     emptied and refilled when a small limit is passed), in batches mixing ASCII and other lines."""
-    from data import create_pretraining_data
+    from data import wordpiece_encoder
 
-    monkeypatch.setattr(create_pretraining_data, "WORD_CACHE_LIMIT", word_cache_limit)
+    monkeypatch.setattr(wordpiece_encoder, "WORD_CACHE_LIMIT", word_cache_limit)
     lines = [line for doc in corpus[1] for line in doc][:1500]
     lines += ["Naïve CAFÉ in 東京 costs ½ €; e-mail: a.b@c.org", "x" * 150 + " ok",
               "\u00adsoft\u200b zero-width\x07", "", "!!", "a\u00a0b – “quoted” ﬁne Ⅻ"]
