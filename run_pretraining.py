@@ -65,6 +65,7 @@ from training import (
     logs,
     profiling,
     progress_display,
+    rank_costs,
     run_status,
     sizing,
     zero_partitions,
@@ -373,7 +374,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
     turns NaN on chosen steps, HPU lazy-mode graph breaks on the CPU, a device smaller than the run.
     status_file: the one cli's run_cli reports the end to (default: a new one). job: run_cli's (default: a new one,
     for a caller without run_cli)."""
-    started = clock()
+    started, costs = clock(), rank_costs.RankCosts.from_start()
     # From the start, SIGTERM/SIGINT (a preemption, forwarded by the launcher) only ask the run to stop: one that
     # comes during start-up (engine set-up, checkpoint load: minutes for the 5B model) stops the run before its
     # first step, one during training after the step under way, and none cuts a checkpoint copy short.
@@ -385,7 +386,8 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         config = build_config(args, int(os.environ.get("WORLD_SIZE", "1")))
         data, held_out_data, copies = open_inputs(config)
         try:
-            return train_run(config, data, held_out_data, copies, stop_event, status_file, job, started, clock=clock,
+            return train_run(config, data, held_out_data, copies, stop_event, status_file, job, started, costs,
+                             clock=clock,
                              criterion=criterion if criterion is not None else BertPretrainingCriterion(),
                              make_graph_breaks=make_graph_breaks, device_memory=device_memory)
         except BaseException as err:  # the copy below may take minutes: no other rank's exit is a death meanwhile
@@ -399,13 +401,14 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
 
 def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
               copies: checkpoint_s3.CheckpointUploader | None, stop_event: threading.Event,
-              status_file: run_status.StatusFile, job: distributed.Job, started: float,
+              status_file: run_status.StatusFile, job: distributed.Job, started: float, costs: rank_costs.RankCosts,
               *, clock: Callable[[], float], criterion: BertPretrainingCriterion, make_graph_breaks: GraphBreaksFactory,
               device_memory: Callable[[torch.device], tuple[float | None, str]]) -> dict[str, Any]:
     """main after the checks without a device: the device and the checks that need it, the checkpoint to
     resume from, then model, log and engine, and run_training."""
     device = distributed.setup_device_and_distributed(job, config.use_hpu, config.no_cuda, config.local_rank,
                                                       config.collective_timeout_s, stop_event, config.ds_config)
+    costs.mark("rendezvous_done")
     rank = dist.get_rank()
     check_same_shards_on_every_rank(data, config.input_dir, job.hosts)
     held_out = read_held_out(held_out_data, config, rank, dist.get_world_size()) if held_out_data else None
@@ -437,7 +440,7 @@ def train_run(config: Config, data: DataInfo, held_out_data: DataInfo | None,
     run = RunObjects(engine=engine, optimizer=optimizer, criterion=criterion, clock=clock, all_reduce=dist.all_reduce,
                      all_gather_object=dist.all_gather_object, device=device, logger=logger, say=say,
                      checkpoint_dir=checkpoint_dir, copies=copies, graph_breaks=graph_breaks,
-                     status_file=status_file, held_out=held_out)
+                     status_file=status_file, held_out=held_out, costs=costs)
     # Every normal way out from here (the end, nothing to train, a stop during start-up) frees the engine:
     # DeepSpeed's gradient hooks would otherwise keep it, the model and the optimizer states alive after main.
     with deepspeed_engine.destroyed_on_exit(engine):
@@ -448,6 +451,7 @@ def run_training(run: RunObjects, config: Config, data: DataInfo, data_layout: d
                  peak_tflops: float, stop_event: threading.Event, started: float) -> dict[str, Any]:
     """Resume (or start), the loop, the last checkpoint's copy and the summary: logged, and returned."""
     state = restore_state(run, config, resume_tag)
+    run.costs.mark("engine_ready")
     run.status_file.saved(resume_tag)
     if config.skip_train:
         assert run.held_out is not None  # build_config: --skip_train needs --eval_dir

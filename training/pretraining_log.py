@@ -93,6 +93,7 @@ def log_summary(run: RunObjects, settings: RunSettings, final: dict[str, Any], s
                "skipped_steps": state.bad_steps,
                "skipped_shards": len(state.skipped_shards), "stopped_by_signal": final["stopped_by_signal"],
                **({**final["held_out"], "total_eval_time": final["eval_time"]} if final["held_out"] else {})}
+    run.costs.log_gathered(run.logger, run.all_gather_object, settings.world)
     run.logger.log(step=(), data=summary)
     run.logger.flush()
     return summary

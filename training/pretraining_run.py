@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from modeling import BertPretrainingCriterion
-from training import checkpoint_s3, evaluation, gaudi, run_status
+from training import checkpoint_s3, evaluation, gaudi, rank_costs, run_status
 from training.pretraining_config import Config
 
 if TYPE_CHECKING:  # deepspeed is imported only after device_setup.choose_accelerator has picked the device
@@ -58,3 +58,4 @@ class RunObjects:
     graph_breaks: gaudi.NoGraphBreaks  # HPU lazy mode: the reference's mark_steps (training/gaudi.py); else none
     status_file: run_status.StatusFile  # rank 0's report to the supervisor: the last checkpoint saved
     held_out: evaluation.HeldOutSet | None  # --eval_dir's samples (this rank's chunks), None without it
+    costs: rank_costs.RankCosts  # this rank's start-up milestones, checkpoint times and memory

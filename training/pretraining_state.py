@@ -106,8 +106,9 @@ def restore_state(run: RunObjects, config: Config, tag: str | None) -> TrainStat
         return fresh
     engine, world, rank = run.engine, dist.get_world_size(), dist.get_rank()
     fresh_schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    client, rank_state = checkpoint_resume.load_checkpoint(engine, run.checkpoint_dir, tag, rank, world,
-                                                           model_config=config.model_config.to_dict(), say=run.say)
+    with run.costs.checkpoint_io("load"):
+        client, rank_state = checkpoint_resume.load_checkpoint(engine, run.checkpoint_dir, tag, rank, world,
+                                                               model_config=config.model_config.to_dict(), say=run.say)
     # Checkpoints from before the streak was saved lack it: such a resume counts the streak from 0.
     state = TrainState(client["global_step"], client["samples_consumed"], client["phase"],
                        list(client["skipped_shards"]), client["bad_steps"], client.get("bad_steps_in_a_row", 0))
@@ -155,8 +156,9 @@ def save(run: RunObjects, settings: RunSettings, state: TrainState, open_window:
                     "bad_steps_in_a_row": state.bad_steps_in_a_row, "data_layout": settings.data_layout}
     if run.copies is not None:
         run.copies.finish(run.device)
-    checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state,
-                                  {"rng": checkpointing.capture_rng_state(run.device), "log_window": open_window})
+    rank_state = {"rng": checkpointing.capture_rng_state(run.device), "log_window": open_window}
+    with run.costs.checkpoint_io("save"):
+        checkpointing.save_checkpoint(run.engine, run.checkpoint_dir, tag, client_state, rank_state)
     if config.keep_last_n_checkpoints > 0 and dist.get_rank() == 0:
         checkpointing.prune_checkpoints(run.checkpoint_dir, config.keep_last_n_checkpoints)
     if run.copies is not None:
