@@ -93,24 +93,29 @@ def remove_leftovers():
     before its teardown, e.g. by SIGKILL, leaves them behind)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
-        match = re.fullmatch(r"hl(\d+)(?:h\d+|sw)", name)
+        match = re.fullmatch(r"hl(\d+)[a-z]?(?:h\d+|sw)", name)
         if match and not Path(f"/proc/{match.group(1)}").exists() and not TestHosts.pids(name):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 class TestHosts:
-    """`count` hosts 10.200.0.1..count; use as a context manager (teardown on exit)."""
+    """`count` hosts 10.200.0.1..count; use as a context manager (teardown on exit). `tag`, one lowercase letter,
+    sets a second set of hosts apart from the untagged one in the same session (both have the same addresses, each
+    on its own bridge): its own namespaces and master port."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, directory, count=3):
+    def __init__(self, directory, count=3, tag=""):
+        if not re.fullmatch(r"[a-z]?", tag):
+            raise ValueError(f"tag must be one lowercase letter or empty, not {tag!r}")
         self.directory = Path(directory)
         self.count = count
-        self.prefix = f"hl{os.getpid()}"  # unique per test session: two sessions never share namespaces
+        self.prefix = f"hl{os.getpid()}{tag}"  # unique per test session: two sessions never share namespaces
         # The hosts share the machine's process table, and scripts/signal_ranks.sh finds a job's ranks by the
         # master address and port of their launcher: with one port for every session, the SIGTERM test of one
         # pytest-xdist worker and the supervisor's KILL of leftover ranks in another hit each other's jobs.
-        self.master_port = 20000 + os.getpid() % 40000
+        # Untagged hosts take 20000-39999, tagged ones 40000-59999.
+        self.master_port = (40000 if tag else 20000) + os.getpid() % 20000
         self.switch = f"{self.prefix}sw"
         self.namespaces = [f"{self.prefix}h{i + 1}" for i in range(count)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(count)]
