@@ -5,12 +5,13 @@ saves; a SIGTERM to the launcher stops every rank on every host with a checkpoin
 the 16 hosts, resumes on the 14 that remain and finishes.
 
 SLOTS = 2, what memory allows: a rank of the tiny model holds about 480 MB of private memory (docs/results.md),
-some 150 MB of it freed memory that the driver keeps for the next step (training/device_setup.py), and each host
+some 165 MB of it freed memory that the driver keeps for the next step (training/device_setup.py), and each host
 runs a DeepSpeed launcher of about 160 MB. Here the ranks give freed memory back (MALLOC_TRIM_THRESHOLD_, glibc's
-default, in .deepspeed_env: a user's setting wins over the driver's): about 313 MB each, so the 32 ranks and 16
+default, in .deepspeed_env: a user's setting wins over the driver's): about 315 MB each, so the 32 ranks and 16
 launchers take about 13 GB beside the other work of this shared 24 GiB machine; 3 per host (48 ranks) would not
-fit. Marker `scale` (not in CI: minutes per launch of 32 ranks on 2
-cores): bash scripts/run_tests.sh tests/test_scale_128x.py -m scale (root, as the other multi-host tests).
+fit (docs/several-servers.md, "Rehearsed on 16 servers"). Marker `scale` (not in CI: minutes per launch of 32
+ranks on 2 cores): bash scripts/run_tests.sh tests/test_scale_128x.py -m scale (root, as the other multi-host
+tests).
 
 The global batch keeps the supervisor's choice honest: training/supervisor.usable_hosts takes the most hosts
 that pass its checks whose ranks divide the global batch. GLOBAL_BATCH = 224 (micro-batch 1) is the least
