@@ -182,7 +182,7 @@ def test_launcher_stops_early_with_one_line(tmp_path, env, message):
 # about real sentences. The pre-LN wiring of the demo does not learn this task in the same budget: its
 # residual stream starts at 0, not at the embeddings (as in the reference), so a position keeps its own token
 # only through attention; measured 9-12% exact match after 375-500 steps where post-LN reached about 50% in the
-# same budget (docs/results.md).
+# same budget (9c09366, 2026-11-23).
 # The loss first sits at the answer-position prior (about 2.5) and then drops once attention learns to match
 # the named token; when that happens is sensitive to noise. With dropout (the pretraining's 0.1) it came
 # anywhere from step 390 to about 1,180 depending on LR, seed and checkpoint (17-91% EM at 936 steps);
