@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 import helpers
-from common.errors import HostInputError, InputError
+from common.errors import NO_RESTART_MARK, HostInputError, InputError
 from training import device_setup, hardware
 from training.run_status import ExitStatus
 
@@ -84,10 +84,10 @@ def test_fine_tuning_with_a_ds_accelerator_of_another_device_is_one_error_line(t
             "--output_dir", str(tmp_path / "out")]
     argv += (["--task_name", "MRPC", "--data_dir", str(missing)] if entry_point == "run_glue"
              else ["--train_file", str(missing)])
-    assert importlib.import_module(entry_point).cli(argv) == 1
+    assert importlib.import_module(entry_point).cli(argv) == ExitStatus.NO_RESTART  # bad input, as in pretraining
     assert capsys.readouterr().err.splitlines() == [
         "error: DS_ACCELERATOR=cuda names another device than this run's, cpu (--no_cuda): unset DS_ACCELERATOR "
-        "(the entry point sets it) or set it to cpu"]
+        f"(the entry point sets it) or set it to cpu{NO_RESTART_MARK}"]
     assert not (tmp_path / "out").exists()
 
 

@@ -1,6 +1,7 @@
 """training/rank_costs.py: each rank's milestones, checkpoint times and memory, and their summary (the RANK_COSTS
 record that bench/bench_scale_cost.py reads)."""
 
+import mmap
 import subprocess
 import sys
 import time
@@ -30,11 +31,13 @@ def test_private_memory_grows_by_an_allocation_that_is_touched():
     """smaps_rollup's private pages against psutil's unique set size, and against 64 MiB written."""
     assert rank_costs.private_memory_mb() == pytest.approx(psutil.Process().memory_full_info().uss / 2 ** 20, rel=0.05)
     before = rank_costs.private_memory_mb()
-    block = bytearray(64 * 2 ** 20)
+    # A fresh anonymous mapping, not the allocator: an earlier test in this process may have set glibc to keep
+    # freed memory (training/device_setup.py), which a bytearray of the same size would reuse without growing.
+    block = mmap.mmap(-1, 64 * 2 ** 20)
     block[::4096] = b"x" * len(block[::4096])
     assert 60 < rank_costs.private_memory_mb() - before < 72
     assert rank_costs.peak_resident_mb() >= rank_costs.private_memory_mb()
-    del block
+    block.close()
 
 
 def test_the_summary_takes_the_first_start_the_last_milestones_and_the_slowest_checkpoint():
